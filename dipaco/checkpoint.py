@@ -1,0 +1,96 @@
+"""Run-directory checkpoints: one safetensors file per module, optimizer and data state, ``latest``.
+
+    RUN/checkpoints/round_<r>/modules/<module-id>.safetensors   a shared module is stored once
+    RUN/checkpoints/round_<r>/state/outer.safetensors           outer momentum buffers
+    RUN/checkpoints/round_<r>/state/trainee_<i>.pt              AdamW state, step, data cursor
+    RUN/checkpoints/round_<r>/state/meta.json                   round, module list, trainee paths
+    RUN/checkpoints/latest                                      "round_<r>", moved after the round is whole
+
+Round 0 holds the initial weights. A round directory is written under a temporary name and renamed
+into place, so a crash leaves the previous complete round intact. Loading uses safetensors, JSON and
+``torch.load(weights_only=True)`` only: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from dipaco.errors import DipacoError
+from dipaco.io import atomic_dir, atomic_write_text, read_json, write_json
+
+
+def round_dir(run: str | Path, r: int) -> Path:
+    return Path(run) / "checkpoints" / f"round_{r}"
+
+
+def save_round(run: str | Path, r: int, modules: dict[str, dict[str, torch.Tensor]], outer_state: dict[str, torch.Tensor],
+               trainee_states: list[dict], meta: dict) -> Path:
+    final = round_dir(run, r)
+    with atomic_dir(final, overwrite=True) as tmp:
+        (tmp / "modules").mkdir()
+        (tmp / "state").mkdir()
+        for m, tensors in modules.items():
+            save_file({n: t.detach().contiguous().clone() for n, t in tensors.items()},
+                      str(tmp / "modules" / f"{m}.safetensors"))
+        save_file({k: v.contiguous() for k, v in outer_state.items()}, str(tmp / "state" / "outer.safetensors"))
+        for i, state in enumerate(trainee_states):
+            torch.save(state, tmp / "state" / f"trainee_{i}.pt")
+        write_json(tmp / "state" / "meta.json", {"round": r, "modules": list(modules), **meta})
+    atomic_write_text(Path(run) / "checkpoints" / "latest", f"round_{r}\n")
+    return final
+
+
+def list_rounds(run: str | Path) -> list[int]:
+    root = Path(run) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name.split("_", 1)[1]) for p in root.glob("round_*")
+                  if p.is_dir() and p.name.split("_", 1)[1].isdigit())
+
+
+def latest_round(run: str | Path) -> int | None:
+    pointer = Path(run) / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    if not name.startswith("round_") or not name[6:].isdigit() or not round_dir(run, int(name[6:])).is_dir():
+        raise DipacoError(f"{pointer} names {name!r}, which is not a complete checkpoint; "
+                          f"point it at an existing checkpoints/round_<r> or remove it")
+    return int(name[6:])
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise DipacoError(f"checkpoint file {path} is missing; the checkpoint is incomplete, resume from an earlier round")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise DipacoError(f"checkpoint file {path} is corrupt or truncated ({exc}); "
+                          f"restore it or resume from an earlier round") from None
+
+
+def load_modules(run: str | Path, r: int, names: list[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """Load the named modules (all of the round's modules by default) of round ``r``."""
+    meta = read_json(round_dir(run, r) / "state" / "meta.json", "checkpoint metadata")
+    wanted = meta["modules"] if names is None else names
+    return {m: _load_safetensors(round_dir(run, r) / "modules" / f"{m}.safetensors") for m in wanted}
+
+
+def load_state(run: str | Path, r: int) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
+    base = round_dir(run, r) / "state"
+    meta = read_json(base / "meta.json", "checkpoint metadata")
+    outer = _load_safetensors(base / "outer.safetensors")
+    trainees = []
+    for i in range(len(meta["trainee_paths"])):
+        f = base / f"trainee_{i}.pt"
+        try:
+            trainees.append(torch.load(f, map_location="cpu", weights_only=True))
+        except FileNotFoundError:
+            raise DipacoError(f"checkpoint file {f} is missing; resume from an earlier round") from None
+        except Exception as exc:  # torch raises several types for a damaged file
+            raise DipacoError(f"checkpoint file {f} is corrupt ({type(exc).__name__}); resume from an earlier round") from None
+    return outer, trainees, meta

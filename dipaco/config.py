@@ -1,0 +1,395 @@
+"""Configuration: nested dataclasses, TOML files, ``--set a.b=value`` overrides, model presets.
+
+Precedence (lowest first): dataclass defaults -> preset -> TOML file -> ``--set`` -> named CLI flags.
+Unknown keys and wrong types are errors. The resolved config is written next to every output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dipaco.errors import DipacoError
+
+
+# ----------------------------------------------------------------------------------------- shard
+@dataclass
+class DataConfig:
+    text_column: str = "text"
+    """Column of the input files that holds the document text."""
+    label_column: str = "domain"
+    """Optional column with a label per document (e.g. domain); kept for per-label reports. Missing is fine."""
+    min_chars: int = 64
+    """Documents shorter than this many characters (after stripping) are dropped."""
+    max_chars: int = 1_000_000
+    """Longer documents are cut to this many characters (a 100 MB line must not exhaust memory)."""
+    heldout_fraction: float = 0.05
+    """Share of documents kept aside, whole, for routed evaluation."""
+    max_heldout_docs: int = 500
+    """Cap on held-out documents."""
+    val_fraction: float = 0.05
+    """Share of each path's training documents written to its validation file."""
+
+
+@dataclass
+class TokenizerConfig:
+    vocab_size: int = 8192
+    """Vocabulary size of the byte-level BPE tokenizer trained when no --tokenizer is given."""
+    train_chars: int = 20_000_000
+    """At most this many characters (a deterministic sample) train the tokenizer."""
+
+
+@dataclass
+class RoutingConfig:
+    features: str = "tfidf"
+    """Prefix features: 'tfidf' (tf-idf + truncated SVD, c-BTM style)."""
+    prefix_chars: int = 2048
+    """Routing looks only at the first this-many characters of a document."""
+    max_tfidf_features: int = 50_000
+    """Vocabulary cap of the tf-idf vectorizer."""
+    svd_dims: int = 64
+    """Dimensions after truncated SVD (c-BTM uses 100)."""
+    fit_sample: int = 20_000
+    """Documents (a seeded sample) used to fit features and k-means."""
+    kmeans_iters: int = 25
+    """Lloyd iterations of faiss k-means."""
+    balance: float = 0.0
+    """If > 0, no path receives more than this many times the mean share of training documents
+    (overflow spills to the next-nearest path); 0 routes every document to its nearest path."""
+    product_split: str = "interleaved"
+    """How product k-means splits the feature vector over levels: 'interleaved' (dim d -> level d mod L,
+    so every level sees high- and low-variance SVD directions) or 'contiguous' (the paper's halves)."""
+
+
+@dataclass
+class ShardConfig:
+    grid: str = "2x2"
+    """Modules per level: '2x2' = two levels of two modules (4 paths), '5' = flat, '1' = one path."""
+    seed: int = 0
+    """Seed for splits, samples and k-means."""
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+
+# ----------------------------------------------------------------------------------------- train
+@dataclass
+class ModelConfig:
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Transformer blocks per path."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_kv_heads: int = 4
+    """Key/value heads (grouped-query attention when smaller than num_heads)."""
+    intermediate_size: int = 192
+    """MLP hidden width."""
+    max_seq_len: int = 128
+    """Training sequence length (also the eval window)."""
+    tie_embeddings: bool = True
+    """Share the input embedding and the output head."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+
+
+@dataclass
+class GridConfig:
+    shape: str = ""
+    """Modules per level for training; '' takes the shard directory's grid; '1' is the dense baseline."""
+    level_sizes: list[int] = field(default_factory=list)
+    """Blocks per level (must sum to model.num_layers); empty splits the blocks evenly."""
+    private_blocks: list[int] = field(default_factory=list)
+    """Blocks that every path keeps to itself (paper: 0, 5, 6, 11)."""
+    private_embedding: bool = False
+    """Give every path its own embedding (and tied head)."""
+    private_head: bool = False
+    """Give every path its own final norm (and untied output head)."""
+    sqrt_rescale: bool = False
+    """Rescale a module's averaged outer gradient by sqrt(paths through it) (DiPaCo §2.7)."""
+    replicas_per_shard: bool = False
+    """With shape '1': one trainee per shard (DiLoCo) instead of one trainee on all shards pooled."""
+
+
+@dataclass
+class InnerConfig:
+    lr: float = 2e-3
+    """Peak AdamW learning rate (paper 4e-4 at 150M; tiny CPU models like more)."""
+    min_lr_ratio: float = 0.1
+    """Cosine schedule floor as a fraction of the peak."""
+    warmup_steps: int = 50
+    """Linear warmup steps (paper: 1000)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2 (not given by the paper; torchft uses 0.95)."""
+    grad_clip: float = 1.0
+    """Gradient norm clip (0 disables)."""
+    batch_size: int = 8
+    """Sequences per inner step per trainee."""
+
+
+@dataclass
+class OuterConfig:
+    lr: float = 0.7
+    """Outer SGD learning rate (DiLoCo's best)."""
+    momentum: float = 0.9
+    """Outer momentum."""
+    nesterov: bool = True
+    """Nesterov momentum (the papers use it)."""
+
+
+@dataclass
+class EvalConfig:
+    context_tokens: int = 32
+    """Leading tokens of each document used for routing and never scored (paper: 32)."""
+    max_tokens_per_doc: int = 4096
+    """Held-out documents are cut to this many tokens to bound eval time."""
+    batch_size: int = 16
+    """Windows per forward pass in evaluation."""
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "tiny"
+    """Model preset applied before the file and flags: tiny | small | base."""
+    rounds: int = 10
+    """Outer steps."""
+    inner_steps: int = 50
+    """H: inner steps per trainee per round."""
+    seed: int = 0
+    """Seed for initialisation and data order."""
+    val_batches: int = 4
+    """Batches of each path's validation file scored after every round (0 disables)."""
+    log_every: int = 10
+    """Inner steps between training-loss lines in metrics.jsonl."""
+    device: str = "cpu"
+    """Device: cpu (cuda arrives with the distributed engine)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    grid: GridConfig = field(default_factory=GridConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+PRESETS: dict[str, dict] = {
+    # A round of 50 steps takes seconds on one CPU core.
+    "tiny": {"model": dict(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=4,
+                           intermediate_size=192, max_seq_len=128), "inner": dict(batch_size=8)},
+    "small": {"model": dict(hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=8,
+                            intermediate_size=768, max_seq_len=256), "inner": dict(batch_size=16)},
+    # The paper's path: 12 blocks, hidden 896, 16 heads of 64 (~150M with a 32k vocabulary).
+    "base": {"model": dict(hidden_size=896, num_layers=12, num_heads=14, num_kv_heads=14,
+                           intermediate_size=3584, max_seq_len=1024, tie_embeddings=False),
+             "inner": dict(batch_size=32, lr=4e-4, warmup_steps=1000)},
+}
+
+
+# ------------------------------------------------------------------------------------ machinery
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value, tp, key: str):
+    """Check (and gently convert) a value against a field's annotated type."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise DipacoError(f"config: '{key}' must be a list of {_type_name(item_tp)}, got {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise DipacoError(f"config: '{key}' must be {_type_name(tp)}, got {value!r}")
+
+
+def _fields(obj) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(obj)}
+
+
+def apply_dict(obj, values: dict, prefix: str = "") -> None:
+    """Set fields of dataclass ``obj`` from a nested dict; unknown keys are errors."""
+    hints = typing.get_type_hints(type(obj))
+    fields = _fields(obj)
+    for key, value in values.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise DipacoError(f"config: unknown key '{full}' (known here: {known})")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise DipacoError(f"config: '{full}' is a section; write it as [{full}] with keys")
+            apply_dict(current, value, f"{full}.")
+        else:
+            setattr(obj, key, _coerce(value, hints[key], full))
+
+
+def parse_override(text: str) -> dict:
+    """``a.b=value`` -> {"a": {"b": value}}; the value is read as TOML, else as a plain string."""
+    if "=" not in text:
+        raise DipacoError(f"--set {text!r}: write it as section.key=value, e.g. --set inner.lr=1e-3")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise DipacoError(f"--set {text!r}: the key is empty; write section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    out: dict = {}
+    node = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def read_toml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise DipacoError(f"config file {path} does not exist; pass an existing TOML file to --config")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise DipacoError(f"config file {path} is not valid TOML ({exc}); fix the file") from None
+
+
+def resolve(cls, file: str | Path | None = None, overrides: list[str] = (), flags: dict | None = None):
+    """Build a config of dataclass ``cls``: defaults -> preset -> file -> --set -> flags."""
+    file_values = read_toml(file) if file else {}
+    override_values = [parse_override(o) for o in overrides]
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    cfg = cls()
+    if "preset" in _fields(cfg):
+        preset = flags.get("preset") or _last_preset(file_values, override_values) or cfg.preset
+        if preset not in PRESETS:
+            raise DipacoError(f"config: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        apply_dict(cfg, PRESETS[preset])
+        cfg.preset = preset
+    apply_dict(cfg, file_values)
+    for values in override_values:
+        apply_dict(cfg, values)
+    apply_dict(cfg, _nest(flags))
+    validate(cfg)
+    return cfg
+
+
+def _last_preset(file_values: dict, override_values: list[dict]) -> str | None:
+    preset = file_values.get("preset")
+    for values in override_values:
+        preset = values.get("preset", preset)
+    return preset
+
+
+def _nest(flat: dict) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def validate(cfg) -> None:
+    """Reject nonsense values with a message naming the key."""
+    def positive(key, value):
+        if value <= 0:
+            raise DipacoError(f"config: '{key}' must be > 0, got {value}")
+
+    def fraction(key, value, upper_open=True):
+        if not 0.0 <= value < 1.0:
+            raise DipacoError(f"config: '{key}' must be in [0, 1), got {value}")
+
+    if isinstance(cfg, TrainConfig):
+        for key in ("rounds", "inner_steps"):
+            positive(key, getattr(cfg, key))
+        m = cfg.model
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):
+            positive(f"model.{key}", getattr(m, key))
+        if m.hidden_size % m.num_heads:
+            raise DipacoError(f"config: model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
+        if m.num_heads % m.num_kv_heads:
+            raise DipacoError(f"config: model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads ({m.num_kv_heads})")
+        positive("inner.lr", cfg.inner.lr)
+        positive("inner.batch_size", cfg.inner.batch_size)
+        positive("outer.lr", cfg.outer.lr)
+        if not 0.0 <= cfg.outer.momentum < 1.0:
+            raise DipacoError(f"config: 'outer.momentum' must be in [0, 1), got {cfg.outer.momentum}")
+        if cfg.eval.context_tokens < 1:
+            raise DipacoError("config: 'eval.context_tokens' must be >= 1")
+        if cfg.device not in ("cpu",):
+            raise DipacoError(f"config: 'device' must be 'cpu' in this version, got {cfg.device!r}")
+    if isinstance(cfg, ShardConfig):
+        fraction("data.heldout_fraction", cfg.data.heldout_fraction)
+        fraction("data.val_fraction", cfg.data.val_fraction)
+        positive("tokenizer.vocab_size", cfg.tokenizer.vocab_size)
+        if cfg.tokenizer.vocab_size < 300:
+            raise DipacoError("config: 'tokenizer.vocab_size' must be >= 300 (256 bytes + merges + special tokens)")
+        positive("routing.svd_dims", cfg.routing.svd_dims)
+        if cfg.routing.features != "tfidf":
+            raise DipacoError(f"config: 'routing.features' must be 'tfidf' in this version, got {cfg.routing.features!r}")
+        if cfg.routing.balance and cfg.routing.balance < 1.0:
+            raise DipacoError(f"config: 'routing.balance' must be 0 (off) or >= 1.0, got {cfg.routing.balance}")
+        if cfg.routing.product_split not in ("interleaved", "contiguous"):
+            raise DipacoError("config: 'routing.product_split' must be 'interleaved' or 'contiguous'")
+
+
+# -------------------------------------------------------------------------------------- output
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls, values: dict):
+    cfg = cls()
+    apply_dict(cfg, values)
+    return cfg
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def to_toml(cfg) -> str:
+    """Write a config dataclass as TOML (scalars first, then one table per section)."""
+    lines: list[str] = []
+
+    def emit(values: dict, prefix: str):
+        scalars = {k: v for k, v in values.items() if not isinstance(v, dict)}
+        tables = {k: v for k, v in values.items() if isinstance(v, dict)}
+        if prefix:
+            lines.append(f"\n[{prefix}]")
+        for key, value in scalars.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        for key, value in tables.items():
+            emit(value, f"{prefix}.{key}" if prefix else key)
+
+    emit(to_dict(cfg), "")
+    return "\n".join(lines).lstrip("\n") + "\n"

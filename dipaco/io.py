@@ -1,0 +1,94 @@
+"""Small file helpers shared by every stage: atomic output directories, JSON, hashes."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from dipaco.errors import DipacoError
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | Path, overwrite: bool = False):
+    """Yield a temporary directory that becomes ``final`` only if the block completes.
+
+    On any exception the temporary directory is removed and ``final`` is untouched. An existing
+    ``final`` is an error unless ``overwrite``; then it is replaced only after the new one is whole.
+    """
+    final = Path(final)
+    if final.exists() and not overwrite:
+        raise DipacoError(f"{final} already exists; choose another output path or pass --overwrite")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write a file under a temporary name, then rename it into place."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path: str | Path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def read_json(path: str | Path, what: str = "file") -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise DipacoError(f"{what} {path} is missing; point to a complete dipaco output directory")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DipacoError(f"{what} {path} is not valid JSON ({exc}); regenerate it") from None
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_dir(path: str | Path) -> str:
+    """Hash of every file's relative name and content under ``path`` (order-independent of the OS)."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(path)).encode())
+        digest.update(sha256_file(file).encode())
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,58 @@
+"""A trained run directory, read back: its config, grid, and any path's model at any round.
+
+    RUN/config.toml     the resolved training config
+    RUN/run.json        grid, vocabulary, the shard directory's fingerprint, trainees, versions
+    RUN/metrics.jsonl   one JSON object per line (inner-step losses, round summaries)
+    RUN/checkpoints/    see dipaco.checkpoint
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dipaco import checkpoint
+from dipaco.config import TrainConfig, from_dict, read_toml
+from dipaco.errors import DipacoError
+from dipaco.grid import Grid
+from dipaco.io import read_json
+from dipaco.model import PathModel, llama_config
+
+
+def build_grid(cfg: TrainConfig, shape: str) -> Grid:
+    g = cfg.grid
+    return Grid.build(shape, cfg.model.num_layers, g.level_sizes, g.private_blocks, g.private_embedding, g.private_head)
+
+
+class Run:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        if not (self.root / "run.json").is_file():
+            raise DipacoError(f"{self.root} is not a dipaco run directory (no run.json); train one with `dipaco train`")
+        self.info = read_json(self.root / "run.json", "run description")
+        self.config: TrainConfig = from_dict(TrainConfig, read_toml(self.root / "config.toml"))
+        self.grid = build_grid(self.config, self.info["grid"])
+        self.llama_config = llama_config(self.config.model, self.info["vocab_size"], self.info["eos_token_id"])
+
+    @property
+    def rounds(self) -> list[int]:
+        return checkpoint.list_rounds(self.root)
+
+    def latest(self) -> int:
+        r = checkpoint.latest_round(self.root)
+        if r is None:
+            raise DipacoError(f"run {self.root} has no checkpoint yet; train it first")
+        return r
+
+    @property
+    def is_dense(self) -> bool:
+        return self.grid.num_paths == 1
+
+    def path_model(self, path: str, round: int | None = None) -> PathModel:
+        """Load only the modules of ``path`` (a dense run has the single path '0')."""
+        r = self.latest() if round is None else round
+        if r not in self.rounds:
+            raise DipacoError(f"run {self.root} has no round {r}; available: {self.rounds}")
+        model = PathModel(self.grid, path, self.llama_config)
+        model.load_modules(checkpoint.load_modules(self.root, r, model.modules))
+        model.model.eval()
+        return model

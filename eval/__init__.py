@@ -1,0 +1,1 @@
+"""Evaluation: routed perplexity on held-out documents, reports."""

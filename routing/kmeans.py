@@ -1,0 +1,67 @@
+"""k-means with faiss: flat and product (one k-means per slice of the feature vector)."""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+
+from dipaco.errors import DipacoError
+
+
+def fit_kmeans(x: np.ndarray, k: int, iters: int = 25, seed: int = 0, spherical: bool = False) -> np.ndarray:
+    """Centroids (k, d) fitted on every row of ``x`` (callers pass a sample)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if len(x) < k:
+        raise DipacoError(f"{len(x)} documents cannot fill {k} clusters; use a smaller grid or more documents")
+    if k == 1:
+        return x.mean(axis=0, keepdims=True)
+    km = faiss.Kmeans(x.shape[1], k, niter=iters, seed=seed, spherical=spherical, verbose=False,
+                      min_points_per_centroid=1, max_points_per_centroid=max(1, len(x) // k + 1))
+    km.train(x)
+    return np.ascontiguousarray(km.centroids, dtype=np.float32)
+
+
+def squared_distances(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+    """(n, k) squared L2 distances, computed exactly (k is small)."""
+    x = np.asarray(x, dtype=np.float32)
+    d = (x * x).sum(1, keepdims=True) - 2.0 * x @ centroids.T + (centroids * centroids).sum(1)[None, :]
+    return np.maximum(d, 0.0)
+
+
+def split_dims(dims: int, levels: int, mode: str = "interleaved") -> list[np.ndarray]:
+    """Which feature dimensions each level's k-means sees.
+
+    'contiguous' splits the vector into consecutive parts (the paper's halves); 'interleaved' gives
+    dimension d to level d mod L, so that with SVD features (sorted by variance) every level gets a
+    share of the strong directions.
+    """
+    if dims < levels:
+        raise DipacoError(f"{dims} feature dimensions cannot be split over {levels} levels; raise routing.svd_dims")
+    if mode == "interleaved":
+        return [np.arange(l, dims, levels) for l in range(levels)]
+    return [part for part in np.array_split(np.arange(dims), levels)]
+
+
+def balanced_assignment(distances: np.ndarray, capacity_factor: float) -> np.ndarray:
+    """Nearest-centroid assignment where no cluster takes more than ``capacity_factor`` x the mean share.
+
+    Greedy over (document, cluster) pairs in order of distance: each document goes to the nearest
+    cluster that still has room, so overflow spills to the next-nearest cluster. Deterministic.
+    """
+    n, k = distances.shape
+    capacity = int(np.ceil(capacity_factor * n / k))
+    if capacity_factor <= 0 or capacity * k < n:
+        raise DipacoError(f"balance factor {capacity_factor} leaves room for only {capacity * k} of {n} documents; use >= 1.0")
+    order = np.argsort(distances, axis=None, kind="stable")
+    assignment = np.full(n, -1, dtype=np.int64)
+    load = np.zeros(k, dtype=np.int64)
+    remaining = n
+    for flat in order:
+        doc, cluster = divmod(int(flat), k)
+        if assignment[doc] < 0 and load[cluster] < capacity:
+            assignment[doc] = cluster
+            load[cluster] += 1
+            remaining -= 1
+            if remaining == 0:
+                break
+    return assignment
