@@ -1,0 +1,44 @@
+"""Shared fixtures: a small real corpus (text that ships with Python and the OS) and tiny shards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dipaco.config import ShardConfig, TrainConfig, resolve
+
+SHARED_CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus"
+TINY_TRAIN = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_heads=2", "model.num_kv_heads=2",
+              "model.max_seq_len=64", "inner.batch_size=4", "inner.warmup_steps=5", "val_batches=1", "log_every=5"]
+
+
+def tiny_train_config(*extra: str, rounds: int = 2, inner_steps: int = 10) -> TrainConfig:
+    return resolve(TrainConfig, overrides=TINY_TRAIN + list(extra), flags={"rounds": rounds, "inner_steps": inner_steps})
+
+
+@pytest.fixture(scope="session")
+def corpus_file(tmp_path_factory) -> Path:
+    from dipaco.sharding.sources import default_corpus_documents
+
+    docs = default_corpus_documents(budget_per_kind=150_000, chunk=3000)
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d.text, "domain": d.label}) + "\n")
+    return path
+
+
+def shard_config(grid: str = "2x2", *extra: str) -> ShardConfig:
+    return resolve(ShardConfig, overrides=[f'grid="{grid}"', "tokenizer.vocab_size=512", "routing.balance=1.2",
+                                           "routing.svd_dims=16"] + list(extra))
+
+
+@pytest.fixture(scope="session")
+def shards_2x2(corpus_file, tmp_path_factory) -> Path:
+    from dipaco.sharding.writer import shard
+
+    out = tmp_path_factory.mktemp("shards") / "s2x2"
+    shard([str(corpus_file)], shard_config("2x2"), out, progress=False)
+    return out
