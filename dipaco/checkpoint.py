@@ -13,6 +13,7 @@ into place, so a crash leaves the previous complete round intact. Loading uses s
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -42,6 +43,15 @@ def save_round(run: str | Path, r: int, modules: dict[str, dict[str, torch.Tenso
         write_json(tmp / "state" / "meta.json", {"round": r, "modules": list(modules), **meta})
     atomic_write_text(Path(run) / "checkpoints" / "latest", f"round_{r}\n")
     return final
+
+
+def remove_partial_rounds(run: str | Path) -> list[str]:
+    """Delete round directories a crash left half-written (hidden temporary names); return their names."""
+    root = Path(run) / "checkpoints"
+    stale = [p for p in root.glob(".round_*.tmp-*") if p.is_dir()] if root.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return [p.name for p in stale]
 
 
 def list_rounds(run: str | Path) -> list[int]:

@@ -144,6 +144,7 @@ def prepare_run(cfg: TrainConfig, run_dir: Path, resume: bool, shards: ShardSet,
         raise DipacoError(f"{run_dir} already holds a run (round {latest}); pass --resume to continue it or choose another --out")
     if latest is None:
         return 0
+    checkpoint.remove_partial_rounds(run_dir)
     old = to_dict(from_dict(TrainConfig, read_toml(run_dir / "config.toml")))
     new = to_dict(cfg)
     for key in _COMPATIBLE_SECTIONS:
