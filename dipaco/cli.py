@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quickstart", help="the whole pipeline on an embedded default corpus, offline")
     p.add_argument("--out", default="dipaco-quickstart", help="output directory (re-running continues there)")
-    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

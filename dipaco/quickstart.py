@@ -28,7 +28,7 @@ def _train_if_needed(cfg: TrainConfig, shards: Path, run: Path, progress: bool) 
     train(cfg, shards, run, resume=done is not None, progress=progress)
 
 
-def quickstart(out: str | Path = "dipaco-quickstart", rounds: int = 20, inner_steps: int = 50, preset: str = "tiny",
+def quickstart(out: str | Path = "dipaco-quickstart", rounds: int = 16, inner_steps: int = 50, preset: str = "tiny",
                overrides: list[str] = (), progress: bool = True, budget_per_kind: int = 1_500_000) -> dict:
     began = time.perf_counter()
     out = Path(out)
