@@ -52,6 +52,7 @@ class LocalWorld:
     size = 1
 
     def __init__(self):
+        self.module_bytes: dict[str, list[int]] = {}
         self.reset_stats()
 
     def setup(self, holders: dict[str, list[int]]) -> None:
@@ -98,13 +99,14 @@ def analytic_bytes(numel: int, n: int, bits: int, block: int, pattern: str) -> i
         return 0
     if chosen_pattern(pattern, n) == "allgather":
         return (n - 1) * payload_bytes(numel, bits, block)
-    chunk = _chunk_len(numel, n, block)
+    chunk = _chunk_len(numel, n, bits, block)
     return 2 * (n - 1) * payload_bytes(chunk, bits, block)
 
 
-def _chunk_len(numel: int, n: int, block: int) -> int:
+def _chunk_len(numel: int, n: int, bits: int, block: int) -> int:
+    """Values per reduce-scatter chunk: whole quantization blocks (any length for 16/32 bits)."""
     per = -(-numel // n)
-    return -(-per // block) * block
+    return per if bits >= 16 else -(-per // block) * block
 
 
 class DistWorld:
@@ -135,6 +137,7 @@ class DistWorld:
         self.groups: dict[tuple[int, ...], object] = {}
         self.holders: dict[str, tuple[int, ...]] = {}
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dipaco-comm")
+        self.module_bytes: dict[str, list[int]] = {}  # module -> [sent, received] over the whole run
         self.reset_stats()
 
     def setup(self, holders: dict[str, list[int]]) -> None:
@@ -162,6 +165,8 @@ class DistWorld:
             flat = torch.cat([tensors[n].reshape(-1).float() for n in names])
             total, s, r = self._reduce_flat(flat, ranks)
             sent, received = sent + s, received + r
+            counts = self.module_bytes.setdefault(m, [0, 0])
+            counts[0], counts[1] = counts[0] + s, counts[1] + r
             out[m], offset = {}, 0
             for n in names:
                 k = tensors[n].numel()
@@ -194,7 +199,7 @@ class DistWorld:
             for b in bufs:  # rank order: the same sum on every holder
                 total += dequantize(b, flat.numel(), bits, block)
             return total, (n - 1) * payload.numel(), (n - 1) * payload.numel()
-        chunk = _chunk_len(flat.numel(), n, block)
+        chunk = _chunk_len(flat.numel(), n, bits, block)
         padded = torch.zeros(chunk * n, dtype=torch.float32, device=flat.device)
         padded[:flat.numel()] = flat
         pieces = [quantize(padded[j * chunk:(j + 1) * chunk], bits, block) for j in range(n)]

@@ -14,6 +14,7 @@ and metrics; every rank reads the checkpoint on resume (multi-node resume needs 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -372,8 +373,20 @@ def _train(cfg, shards, shards_dir, run_dir, resume, progress, grid, device, wor
     bar.close()
     if metrics is not None:
         metrics.close()
+    write_worker_report(run_dir, su, world)
     return {"run": str(run_dir), "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(su.plan),
             "workers": world.size}
+
+
+def write_worker_report(run_dir: Path, su: Setup, world) -> None:
+    """RUN/workers/rank_<r>.json: this worker's trainees, the modules it holds (with a digest of their
+    final global weights, equal on all holders) and the bytes it exchanged per module."""
+    digests = {m: hashlib.sha256(b"".join(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                                          for t in ts.values())).hexdigest() for m, ts in su.modules.items()}
+    (run_dir / "workers").mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / "workers" / f"rank_{world.rank}.json", {
+        "rank": world.rank, "workers": world.size, "trainees": [tr.index for tr in su.trainees],
+        "modules": digests, "module_bytes": world.module_bytes})
 
 
 def log_round(metrics, r: int, report: list[dict], cfg: TrainConfig, num_trainees: int) -> None:
