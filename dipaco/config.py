@@ -160,9 +160,9 @@ class StreamingConfig:
 @dataclass
 class CommConfig:
     bits: int = 32
-    """Bits per outer-gradient value on the wire: 32 (fp32, exact), 16 (bf16), 8 or 4 (blockwise int + fp16 scale)."""
+    """Bits per outer-gradient value on the wire: 32 (fp32, exact), 16 (bf16), 8 or 4 (blockwise int + bf16 scale)."""
     block_size: int = 128
-    """Values per quantization block (one fp16 scale each)."""
+    """Values per quantization block (one bf16 scale each)."""
     pattern: str = "auto"
     """Collective: 'allgather' (every holder sends its payload to every other), 'reduce_scatter' (quantized
     chunks to their owners, fp32 sum, re-quantize, all-gather), or 'auto' (the one moving fewer bytes:
