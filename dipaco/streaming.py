@@ -61,7 +61,7 @@ def offsets(H: int, fragments: int) -> list[int]:
 
 def syncs_at(t: int, H: int, fragments: int) -> list[int]:
     """Fragments whose sync starts after global inner step ``t`` (t >= 1)."""
-    return [f for f, o in enumerate(offsets(H, fragments)) if t > o and (t - o) % H == 0] if t >= 1 else []
+    return [f for f, o in enumerate(offsets(H, fragments)) if t >= o and (t - o) % H == 0] if t >= 1 else []
 
 
 @dataclass
