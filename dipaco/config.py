@@ -197,6 +197,8 @@ class TrainConfig:
     """Batches of each path's validation file scored after every round (0 disables)."""
     log_every: int = 10
     """Inner steps between training-loss lines in metrics.jsonl."""
+    checkpoint_every: int = 1
+    """Rounds between checkpoints (the last round is always saved; resume starts from the last one saved)."""
     device: str = "auto"
     """Device: 'auto' (cuda when available), 'cpu' or 'cuda' (bf16 autocast, fp32 master weights and outer state)."""
     init_from: str = ""
@@ -354,7 +356,7 @@ def validate(cfg) -> None:
             raise DipacoError(f"config: '{key}' must be in [0, 1), got {value}")
 
     if isinstance(cfg, TrainConfig):
-        for key in ("rounds", "inner_steps"):
+        for key in ("rounds", "inner_steps", "checkpoint_every"):
             positive(key, getattr(cfg, key))
         m = cfg.model
         for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):

@@ -369,7 +369,8 @@ def _train(cfg, shards, shards_dir, run_dir, resume, progress, grid, device, wor
         if metrics is not None:
             log_round(metrics, r + 1, report, cfg, len(su.plan))
             bar.set_postfix(round=r + 1, loss=f"{sum(sum(p['losses'].values()) for p in report) / len(su.plan):.3f}")
-        save_round(run_dir, r + 1, su, world)
+        if (r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds:
+            save_round(run_dir, r + 1, su, world)
     bar.close()
     if metrics is not None:
         metrics.close()
