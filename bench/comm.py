@@ -71,13 +71,16 @@ def make_shards(work: Path, docs_per_file: int) -> Path:
     return shards
 
 
-def run_method(shards: Path, out: Path, sets: list[str], steps: int, sim_mbit: float) -> float:
+QUICK_MODEL = ["model.max_seq_len=64", "inner.batch_size=4"]
+
+
+def run_method(shards: Path, out: Path, sets: list[str], steps: int, sim_mbit: float, quick: bool = False) -> float:
     H = int(next(s for s in sets if s.startswith("inner_steps=")).split("=")[1])
     rounds = steps // H
     args = [sys.executable, "-m", "dipaco.cli", "train", "--shards", str(shards), "--out", str(out), "--quiet",
             "--workers", "2", "--rounds", str(rounds), "--device", "cpu", "--simulate-bandwidth", str(sim_mbit),
             "--set", f"checkpoint_every={rounds}"]
-    for kv in MODEL + sets:
+    for kv in MODEL + (QUICK_MODEL if quick else []) + sets:
         args += ["--set", kv]
     began = time.perf_counter()
     subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
@@ -120,16 +123,16 @@ def lowest_bandwidth(compute_per_step: float, sync_bytes: list[int], steps: int,
     return hi
 
 
-def bare_loop_tokens_per_s(steps: int = 30) -> float:
+def bare_loop_tokens_per_s(batch: int, seq: int, steps: int = 30) -> float:
     """A bare transformers training loop on the same model (one process, one thread, like a worker)."""
     code = f"""
 import time, torch
 torch.set_num_threads(1)
 from transformers import LlamaConfig, LlamaForCausalLM
 cfg = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=True, attn_implementation="sdpa")
+                  num_key_value_heads=4, max_position_embeddings={seq}, tie_word_embeddings=True, attn_implementation="sdpa")
 m = LlamaForCausalLM(cfg); opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-x = torch.randint(0, 4096, (8, 129))
+x = torch.randint(0, 4096, ({batch}, {seq + 1}))
 def step():
     out = m(input_ids=x[:, :-1], labels=None).logits
     loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten()); loss.backward()
@@ -137,7 +140,7 @@ def step():
 for _ in range(5): step()
 t = time.perf_counter()
 for _ in range({steps}): step()
-print(8 * 128 * {steps} / (time.perf_counter() - t))
+print({batch} * {seq} * {steps} / (time.perf_counter() - t))
 """
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
@@ -173,7 +176,8 @@ def analyse(name: str, sets: list[str], run_dir: Path, shards: Path, steps: int,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a few minutes: 200 inner steps, H=100, τ in {1, 5}")
+    ap.add_argument("--quick", action="store_true",
+                    help="a few minutes: 200 inner steps, H=100, τ in {1, 5}, batch 4 x 64 tokens")
     ap.add_argument("--steps", type=int, help="inner steps per trainee (default 200 quick, 1000 full)")
     ap.add_argument("--H", type=int, default=100, help="inner steps per round for DiLoCo and streaming")
     ap.add_argument("--sim", type=float, default=1000.0, help="simulated link of the runs themselves (Mbit/s)")
@@ -193,10 +197,10 @@ def main() -> int:
     for i, (name, sets) in enumerate(methods(args.quick, args.H).items()):
         run_dir = work / f"run{i}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        run_method(shards, run_dir, sets, steps, args.sim)
+        run_method(shards, run_dir, sets, steps, args.sim, args.quick)
         results.append(analyse(name, sets, run_dir, shards, steps, speeds))
         print(f"  done {name} ({time.perf_counter() - began:.0f}s)", file=sys.stderr)
-    bare = bare_loop_tokens_per_s()
+    bare = bare_loop_tokens_per_s(4, 64) if args.quick else bare_loop_tokens_per_s(8, 128)
     dp = results[0]
     fp32 = next(r for r in results if r["method"].startswith("DiLoCo") and "fp32" in r["method"])
     for r in results:

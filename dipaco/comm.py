@@ -27,6 +27,7 @@ bit-identical on all their holders.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -138,6 +139,7 @@ class DistWorld:
         self.holders: dict[str, tuple[int, ...]] = {}
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dipaco-comm")
         self.module_bytes: dict[str, list[int]] = {}  # module -> [sent, received] over the whole run
+        self.lock = threading.Lock()  # the communication thread updates the counters
         self.reset_stats()
 
     def setup(self, holders: dict[str, list[int]]) -> None:
@@ -173,9 +175,10 @@ class DistWorld:
                 out[m][n] = total[offset:offset + k].view_as(tensors[n]).to(tensors[n].dtype)
                 offset += k
         self._simulate_link(began, sent, received, grads)
-        self.bytes_sent += sent
-        self.bytes_received += received
-        self.comm_seconds += time.perf_counter() - began
+        with self.lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+            self.comm_seconds += time.perf_counter() - began
         return out
 
     def _simulate_link(self, began: float, sent: int, received: int, grads) -> None:
@@ -227,12 +230,14 @@ class DistWorld:
         return box[0]
 
     def reset_stats(self) -> None:
-        self.bytes_sent = self.bytes_received = 0
-        self.comm_seconds = self.wait_seconds = 0.0
+        with self.lock:
+            self.bytes_sent = self.bytes_received = 0
+            self.comm_seconds = self.wait_seconds = 0.0
 
     def stats(self) -> dict:
-        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "comm_s": self.comm_seconds, "wait_s": self.wait_seconds}
+        with self.lock:
+            return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                    "comm_s": self.comm_seconds, "wait_s": self.wait_seconds}
 
     def barrier(self) -> None:
         self.dist.barrier(group=self.cpu_group)

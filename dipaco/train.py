@@ -331,6 +331,7 @@ def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume:
     shards, run_dir = ShardSet(shards_dir), Path(run_dir)
     grid = build_grid(cfg, cfg.grid.shape or shards.grid)
     device = resolve_device(cfg.device)
+    resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted us
     world = make_world(cfg, str(device))
     try:
         return _train(cfg, shards, shards_dir, run_dir, resume, progress, grid, device, world)
