@@ -136,6 +136,7 @@ x = torch.randint(0, 4096, ({batch}, {seq + 1}))
 def step():
     out = m(input_ids=x[:, :-1], labels=None).logits
     loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten()); loss.backward()
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)  # the same inner step as a trainee's
     opt.step(); opt.zero_grad(set_to_none=True)
 for _ in range(5): step()
 t = time.perf_counter()

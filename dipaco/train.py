@@ -348,7 +348,7 @@ def _train(cfg, shards, shards_dir, run_dir, resume, progress, grid, device, wor
                disable=not progress or world.rank != 0, dynamic_ncols=True)
     for r in range(start, cfg.rounds):
         began, compute, losses, inner_logs = time.perf_counter(), 0.0, {tr.index: 0.0 for tr in su.trainees}, []
-        world.reset_stats()
+        before = world.stats()  # cumulative: a reduction still in flight is counted in the round it ends in
         for tr in su.trainees:
             tr.model.model.train()
         for t in range(r * H + 1, (r + 1) * H + 1):
@@ -366,7 +366,8 @@ def _train(cfg, shards, shards_dir, run_dir, resume, progress, grid, device, wor
             su.sync.flush()
         val = validate(su.modules, su.val_models, su.val_windows, cfg.inner.batch_size) if cfg.val_batches else {}
         report = world.gather({"losses": losses, "val": val, "inner": inner_logs, "compute_s": compute,
-                               "seconds": time.perf_counter() - began, **world.stats()})
+                               "seconds": time.perf_counter() - began,
+                               **{k: v - before[k] for k, v in world.stats().items()}})
         if metrics is not None:
             log_round(metrics, r + 1, report, cfg, len(su.plan))
             bar.set_postfix(round=r + 1, loss=f"{sum(sum(p['losses'].values()) for p in report) / len(su.plan):.3f}")
