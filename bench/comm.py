@@ -178,7 +178,7 @@ def analyse(name: str, sets: list[str], run_dir: Path, shards: Path, steps: int,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
-                    help="a few minutes: 200 inner steps, H=100, τ in {1, 5}, batch 4 x 64 tokens")
+                    help="200 inner steps, H=100, τ in {1, 5}, batch 4 x 64 tokens")
     ap.add_argument("--steps", type=int, help="inner steps per trainee (default 200 quick, 1000 full)")
     ap.add_argument("--H", type=int, default=100, help="inner steps per round for DiLoCo and streaming")
     ap.add_argument("--sim", type=float, default=1000.0, help="simulated link of the runs themselves (Mbit/s)")
