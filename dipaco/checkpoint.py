@@ -3,6 +3,7 @@
     RUN/checkpoints/round_<r>/modules/<module-id>.safetensors   a shared module is stored once
     RUN/checkpoints/round_<r>/state/outer.safetensors           outer momentum buffers
     RUN/checkpoints/round_<r>/state/trainee_<i>.pt              AdamW state, step, data cursor
+    RUN/checkpoints/round_<r>/state/sync.pt                     streamed reductions still due (streaming only)
     RUN/checkpoints/round_<r>/state/meta.json                   round, module list, trainee paths
     RUN/checkpoints/latest                                      "round_<r>", moved after the round is whole
 
@@ -29,7 +30,7 @@ def round_dir(run: str | Path, r: int) -> Path:
 
 
 def save_round(run: str | Path, r: int, modules: dict[str, dict[str, torch.Tensor]], outer_state: dict[str, torch.Tensor],
-               trainee_states: list[dict], meta: dict) -> Path:
+               trainee_states: list[dict], meta: dict, sync_state: list | None = None) -> Path:
     final = round_dir(run, r)
     with atomic_dir(final, overwrite=True) as tmp:
         (tmp / "modules").mkdir()
@@ -40,6 +41,8 @@ def save_round(run: str | Path, r: int, modules: dict[str, dict[str, torch.Tenso
         save_file({k: v.contiguous() for k, v in outer_state.items()}, str(tmp / "state" / "outer.safetensors"))
         for i, state in enumerate(trainee_states):
             torch.save(state, tmp / "state" / f"trainee_{i}.pt")
+        if sync_state:
+            torch.save(sync_state, tmp / "state" / "sync.pt")
         write_json(tmp / "state" / "meta.json", {"round": r, "modules": list(modules), **meta})
     atomic_write_text(Path(run) / "checkpoints" / "latest", f"round_{r}\n")
     return final
@@ -90,12 +93,13 @@ def load_modules(run: str | Path, r: int, names: list[str] | None = None) -> dic
     return {m: _load_safetensors(round_dir(run, r) / "modules" / f"{m}.safetensors") for m in wanted}
 
 
-def load_state(run: str | Path, r: int) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
+def load_state(run: str | Path, r: int, indices: list[int] | None = None) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
+    """Outer buffers, the states of the trainees ``indices`` (all by default), and the metadata."""
     base = round_dir(run, r) / "state"
     meta = read_json(base / "meta.json", "checkpoint metadata")
     outer = _load_safetensors(base / "outer.safetensors")
     trainees = []
-    for i in range(len(meta["trainee_paths"])):
+    for i in range(len(meta["trainee_paths"])) if indices is None else indices:
         f = base / f"trainee_{i}.pt"
         try:
             trainees.append(torch.load(f, map_location="cpu", weights_only=True))
@@ -104,3 +108,14 @@ def load_state(run: str | Path, r: int) -> tuple[dict[str, torch.Tensor], list[d
         except Exception as exc:  # torch raises several types for a damaged file
             raise DipacoError(f"checkpoint file {f} is corrupt ({type(exc).__name__}); resume from an earlier round") from None
     return outer, trainees, meta
+
+
+def load_sync(run: str | Path, r: int) -> list:
+    """Streamed reductions saved with round ``r`` (empty for plain rounds)."""
+    f = round_dir(run, r) / "state" / "sync.pt"
+    if not f.is_file():
+        return []
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for a damaged file
+        raise DipacoError(f"checkpoint file {f} is corrupt ({type(exc).__name__}); resume from an earlier round") from None

@@ -42,9 +42,32 @@ def cmd_train(args) -> None:
 
     cfg = resolve(TrainConfig, args.config, args.overrides, {
         "preset": args.preset, "rounds": args.rounds, "inner_steps": args.inner_steps, "grid.shape": args.grid,
-        "seed": args.seed})
+        "seed": args.seed, "device": args.device, "init_from": args.init_from, "comm.bits": args.bits,
+        "streaming.fragments": args.fragments, "streaming.overlap": args.overlap, "streaming.alpha": args.alpha,
+        "comm.simulate_mbit": args.simulate_bandwidth, "comm.simulate_latency_ms": args.simulate_latency})
+    if args.workers:
+        from dipaco.launch import launch_local
+        from dipaco.shards import ShardSet
+
+        ShardSet(args.shards)  # bad input fails here, with exit code 2, before any worker starts
+        return launch_local(args.workers, _without_workers(args.argv), args.max_restarts)
     summary = train(cfg, args.shards, args.out, resume=args.resume, progress=not args.quiet)
-    print(json.dumps(summary))
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(summary))
+
+
+def _without_workers(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--workers", "--max-restarts"):
+            skip = True
+        elif not a.startswith(("--workers=", "--max-restarts=")):
+            out.append(a)
+    return out
 
 
 def cmd_eval(args) -> None:
@@ -94,6 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", help="'1' trains the dense baseline on all shards; default: the shards' grid")
     p.add_argument("--seed", type=int)
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last complete round")
+    p.add_argument("--workers", type=int, help="launch a local torchrun with this many worker processes (127.0.0.1)")
+    p.add_argument("--max-restarts", type=int, default=0, help="with --workers: torchrun restarts after a crash "
+                   "(each restart resumes from the last complete round)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="cuda: NCCL + bf16 autocast (default auto)")
+    p.add_argument("--init-from", metavar="RUN_OR_DIR",
+                   help="start every module from a dense model: a dipaco --grid 1 run or a Hugging Face Llama directory")
+    p.add_argument("--bits", type=int, choices=[4, 8, 16, 32], help="bits per outer-gradient value on the wire")
+    p.add_argument("--fragments", type=int, help="Streaming DiLoCo: fragments per module (must divide H)")
+    p.add_argument("--overlap", type=int, help="Streaming DiLoCo: τ, inner steps a reduction overlaps compute")
+    p.add_argument("--alpha", type=float, help="Streaming DiLoCo: merge weight of the local weights (0 replaces)")
+    p.add_argument("--simulate-bandwidth", type=float, metavar="MBIT", help="slow every collective to this link speed")
+    p.add_argument("--simulate-latency", type=float, metavar="MS", help="per-message latency of the simulated link")
     _config_args(p)
     p.set_defaults(func=cmd_train)
 
@@ -120,15 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args.func(args)
+        rc = args.func(args)
     except DipacoError as exc:
         print(f"dipaco {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"dipaco {args.command}: interrupted; completed outputs are kept", file=sys.stderr)
         return 130
-    return 0
+    return rc or 0
 
 
 if __name__ == "__main__":

@@ -146,6 +146,34 @@ class OuterConfig:
 
 
 @dataclass
+class StreamingConfig:
+    fragments: int = 1
+    """F: fragments per module that sync on staggered schedules (Streaming DiLoCo); 1 = plain rounds."""
+    layout: str = "strided"
+    """Which blocks form a fragment: 'strided' (block b in fragment b mod F) or 'sequential' (runs of blocks)."""
+    overlap: int = 0
+    """τ: inner steps a fragment's reduction overlaps with compute before it is merged (0 = blocking)."""
+    alpha: float = 0.0
+    """Merge θ_local ← α·θ_local + (1−α)·θ_global after a sync (0 replaces; the paper uses 0.5 with τ > 0)."""
+
+
+@dataclass
+class CommConfig:
+    bits: int = 32
+    """Bits per outer-gradient value on the wire: 32 (fp32, exact), 16 (bf16), 8 or 4 (blockwise int + bf16 scale)."""
+    block_size: int = 128
+    """Values per quantization block (one bf16 scale each)."""
+    pattern: str = "auto"
+    """Collective: 'allgather' (every holder sends its payload to every other), 'reduce_scatter' (quantized
+    chunks to their owners, fp32 sum, re-quantize, all-gather), or 'auto' (the one moving fewer bytes:
+    all-gather for 2 holders, reduce-scatter from 3)."""
+    simulate_mbit: float = 0.0
+    """If > 0, every collective takes at least bytes·8/(this many Mbit/s) + latency (a slow link on one machine)."""
+    simulate_latency_ms: float = 0.0
+    """Per-message latency added by the link simulation (ms, per peer step of a collective)."""
+
+
+@dataclass
 class EvalConfig:
     context_tokens: int = 32
     """Leading tokens of each document used for routing and never scored (paper: 32)."""
@@ -169,12 +197,19 @@ class TrainConfig:
     """Batches of each path's validation file scored after every round (0 disables)."""
     log_every: int = 10
     """Inner steps between training-loss lines in metrics.jsonl."""
-    device: str = "cpu"
-    """Device: cpu (cuda arrives with the distributed engine)."""
+    checkpoint_every: int = 1
+    """Rounds between checkpoints (the last round is always saved; resume starts from the last one saved)."""
+    device: str = "auto"
+    """Device: 'auto' (cuda when available), 'cpu' or 'cuda' (bf16 autocast, fp32 master weights and outer state)."""
+    init_from: str = ""
+    """Start every module from a dense model: a dipaco '--grid 1' run directory (its latest round) or a
+    Hugging Face Llama directory of the same shape; '' starts from a seeded random model."""
     model: ModelConfig = field(default_factory=ModelConfig)
     grid: GridConfig = field(default_factory=GridConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
@@ -321,7 +356,7 @@ def validate(cfg) -> None:
             raise DipacoError(f"config: '{key}' must be in [0, 1), got {value}")
 
     if isinstance(cfg, TrainConfig):
-        for key in ("rounds", "inner_steps"):
+        for key in ("rounds", "inner_steps", "checkpoint_every"):
             positive(key, getattr(cfg, key))
         m = cfg.model
         for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):
@@ -337,8 +372,22 @@ def validate(cfg) -> None:
             raise DipacoError(f"config: 'outer.momentum' must be in [0, 1), got {cfg.outer.momentum}")
         if cfg.eval.context_tokens < 1:
             raise DipacoError("config: 'eval.context_tokens' must be >= 1")
-        if cfg.device not in ("cpu",):
-            raise DipacoError(f"config: 'device' must be 'cpu' in this version, got {cfg.device!r}")
+        if cfg.device not in ("auto", "cpu", "cuda"):
+            raise DipacoError(f"config: 'device' must be 'auto', 'cpu' or 'cuda', got {cfg.device!r}")
+        from dipaco.quant import SUPPORTED_BITS
+        from dipaco.streaming import validate_streaming
+
+        s = cfg.streaming
+        validate_streaming(cfg.inner_steps, s.fragments, s.overlap, s.alpha, s.layout, m.num_layers)
+        c = cfg.comm
+        if c.bits not in SUPPORTED_BITS:
+            raise DipacoError(f"config: 'comm.bits' must be one of {', '.join(map(str, SUPPORTED_BITS))}, got {c.bits}")
+        if c.block_size < 2 or c.block_size % 2:
+            raise DipacoError(f"config: 'comm.block_size' must be an even number >= 2, got {c.block_size}")
+        if c.pattern not in ("auto", "allgather", "reduce_scatter"):
+            raise DipacoError(f"config: 'comm.pattern' must be 'auto', 'allgather' or 'reduce_scatter', got {c.pattern!r}")
+        if c.simulate_mbit < 0 or c.simulate_latency_ms < 0:
+            raise DipacoError("config: 'comm.simulate_mbit' and 'comm.simulate_latency_ms' must be >= 0")
     if isinstance(cfg, ShardConfig):
         fraction("data.heldout_fraction", cfg.data.heldout_fraction)
         fraction("data.val_fraction", cfg.data.val_fraction)

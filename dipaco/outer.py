@@ -56,8 +56,10 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def step(self, module: str, grad: dict[str, torch.Tensor]) -> None:
-        buffers = self.buffers.setdefault(module, {n: torch.zeros_like(g) for n, g in grad.items()})
-        for name, g in grad.items():
+        buffers = self.buffers.setdefault(module, {})
+        for name, g in grad.items():  # a streamed fragment steps only some of the module's tensors
+            if name not in buffers:
+                buffers[name] = torch.zeros_like(g)
             buf = buffers[name].mul_(self.momentum).add_(g)
             update = g + self.momentum * buf if self.nesterov else buf
             self.modules[module][name].sub_(update, alpha=self.lr)

@@ -56,3 +56,42 @@ class Run:
         model.load_modules(checkpoint.load_modules(self.root, r, model.modules))
         model.model.eval()
         return model
+
+
+def dense_weights(source: str | Path) -> dict:
+    """Parameters of a dense model to start every module from: a dipaco '--grid 1' run (its latest
+    round) or a Hugging Face Llama directory. Keyed by Hugging Face parameter names."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    src = Path(source)
+    if (src / "run.json").is_file():
+        run = Run(src)
+        if not run.is_dense:
+            raise DipacoError(f"--init-from {src}: run has grid {run.info['grid']}, not a dense model; "
+                              f"pass a run trained with --grid 1 or a Hugging Face Llama directory")
+        model = run.path_model(run.grid.paths[0])
+        return {n: p.detach().float() for n, p in model.model.named_parameters()}
+    if (src / "config.json").is_file():
+        try:
+            model = LlamaForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+        except (OSError, ValueError) as exc:
+            raise DipacoError(f"--init-from {src}: not a loadable Hugging Face Llama directory ({exc}); "
+                              f"pass a directory with config.json and model weights") from None
+        return {n: p.detach().float() for n, p in model.named_parameters()}
+    raise DipacoError(f"--init-from {src}: neither a dipaco run (run.json) nor a Hugging Face directory (config.json); "
+                      f"pass one of those")
+
+
+def init_from_dense(modules: dict, source: str | Path) -> None:
+    """Overwrite every module's tensors, in place, with the dense model's tensors of the same name."""
+    dense = dense_weights(source)
+    for m, tensors in modules.items():
+        for n, t in tensors.items():
+            if n not in dense:
+                raise DipacoError(f"--init-from {source}: it has no parameter {n} (module {m}); "
+                                  f"the dense model must have the same layers and embedding tying as this run")
+            if tuple(dense[n].shape) != tuple(t.shape):
+                raise DipacoError(f"--init-from {source}: {n} has shape {tuple(dense[n].shape)}, this run needs "
+                                  f"{tuple(t.shape)}; use the same model config and tokenizer as the dense model")
+            t.copy_(dense[n])

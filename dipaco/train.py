@@ -3,12 +3,21 @@
 A *trainee* is one path replica with its own data and its own AdamW state (kept across rounds).
 DiPaCo: one trainee per path on the path's shard. Dense baseline (grid '1'): one trainee on all
 shards pooled. DiLoCo (grid '1' + grid.replicas_per_shard): one trainee per shard, same path.
+
+Workers: with no launcher every trainee runs in this process (a world of one). Under torchrun the
+trainees are split into contiguous runs over the ranks (trainee i on rank ⌊i·N/T⌋); a worker builds
+only its trainees and holds only the modules their paths use. When modules sync is ``dipaco.sync``
+(plain rounds or Streaming DiLoCo fragments); the transport is ``dipaco.comm``. Rank 0 gathers the
+modules (from their lowest-rank holder), outer buffers and trainee states and writes checkpoints
+and metrics; every rank reads the checkpoint on resume (multi-node resume needs a shared run dir).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +29,15 @@ from tqdm.auto import tqdm
 
 import dipaco
 from dipaco import checkpoint
-from dipaco.comm import LocalWorld
+from dipaco.comm import make_world
 from dipaco.config import InnerConfig, TrainConfig, from_dict, read_toml, to_dict, to_toml
 from dipaco.errors import DipacoError
 from dipaco.grid import Grid, format_grid, parse_grid
 from dipaco.io import atomic_write_text, write_json
-from dipaco.model import PathModel, count_parameters, init_modules, llama_config
-from dipaco.outer import OuterOptimizer, add_weighted_outer_gradient, module_weights, sqrt_rescale, zeros_like_module
-from dipaco.run import build_grid
+from dipaco.model import PathModel, count_parameters, init_modules, llama_config, new_model
+from dipaco.outer import OuterOptimizer, module_weights
+from dipaco.run import build_grid, init_from_dense
+from dipaco.sync import ModuleSync
 from dipaco.shards import BatchSampler, ShardSet
 
 
@@ -42,13 +52,29 @@ class Trainee:
     sampler: BatchSampler
     step: int = 0
 
-    def state(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "step": self.step, "sampler": self.sampler.state()}
+    def state(self, with_params: bool = False) -> dict:
+        out = {"optimizer": _to_cpu(self.optimizer.state_dict()), "step": self.step, "sampler": self.sampler.state()}
+        if with_params:  # streaming: local weights differ from the global ones at a round boundary
+            out["params"] = {n: p.detach().cpu().clone() for n, p in self.model.params.items()}
+        return out
 
     def load_state(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self.sampler.set_state(state["sampler"])
+        with torch.no_grad():
+            for n, t in state.get("params", {}).items():
+                self.model.params[n].copy_(t)
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
 
 
 def plan_trainees(grid: Grid, shards: ShardSet, cfg: TrainConfig) -> list[tuple[str, list[str]]]:
@@ -63,8 +89,25 @@ def plan_trainees(grid: Grid, shards: ShardSet, cfg: TrainConfig) -> list[tuple[
                       f"leave grid.shape empty, use '1' for the dense baseline, or re-shard with --grid {format_grid(grid.shape)}")
 
 
-def make_trainee(index, path, sources, grid, shards, cfg: TrainConfig) -> Trainee:
-    model = PathModel(grid, path, llama_config(cfg.model, shards.vocab_size, shards.eos_token_id))
+def assign(num_trainees: int, workers: int) -> list[int]:
+    """The rank of every trainee: contiguous runs, as even as possible."""
+    if workers > num_trainees:
+        raise DipacoError(f"{workers} workers but only {num_trainees} trainees; use at most {num_trainees} workers "
+                          f"(or more trainees: a larger grid or grid.replicas_per_shard)")
+    return [i * workers // num_trainees for i in range(num_trainees)]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DipacoError("device 'cuda' requested but CUDA is not available; use --device cpu or auto")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def make_trainee(index, path, sources, grid, shards, cfg: TrainConfig, device=torch.device("cpu")) -> Trainee:
+    model = PathModel(grid, path, llama_config(cfg.model, shards.vocab_size, shards.eos_token_id),
+                      new_model(llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)).to(device))
     decay = [p for p in model.params.values() if p.dim() >= 2]
     no_decay = [p for p in model.params.values() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.inner.weight_decay},
@@ -72,8 +115,12 @@ def make_trainee(index, path, sources, grid, shards, cfg: TrainConfig) -> Traine
                                   lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2))
     sampler = BatchSampler([shards.tokens(s) for s in sources], cfg.model.max_seq_len, cfg.inner.batch_size,
                            seed=cfg.seed * 1000 + index + 1, names=sources)
-    size = sum(shards.train_tokens(s) for s in sources)
+    size = trainee_size(shards, sources)
     return Trainee(index, path, sources, size, model, optimizer, sampler)
+
+
+def trainee_size(shards: ShardSet, sources: list[str]) -> int:
+    return sum(shards.train_tokens(s) for s in sources)
 
 
 def lr_at(step: int, total: int, inner: InnerConfig) -> float:
@@ -93,7 +140,9 @@ def inner_step(tr: Trainee, cfg: TrainConfig, total_steps: int) -> float:
     lr = lr_at(tr.step, total_steps, cfg.inner)
     for group in tr.optimizer.param_groups:
         group["lr"] = lr
-    loss = next_token_loss(tr.model.model, tr.sampler.next())
+    device = next(iter(tr.model.params.values())).device
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        loss = next_token_loss(tr.model.model, tr.sampler.next().to(device))
     loss.backward()
     if cfg.inner.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(tr.model.model.parameters(), cfg.inner.grad_clip)
@@ -128,13 +177,14 @@ def validate(modules, val_models: dict[str, PathModel], val_windows: dict[str, t
             continue
         model.load_modules(modules)
         model.model.eval()
-        losses = [next_token_loss(model.model, windows[i:i + batch_size]).item() * len(windows[i:i + batch_size])
+        device = next(iter(model.params.values())).device
+        losses = [next_token_loss(model.model, windows[i:i + batch_size].to(device)).item() * len(windows[i:i + batch_size])
                   for i in range(0, len(windows), batch_size)]
         out[path] = sum(losses) / len(windows)
     return out
 
 
-_COMPATIBLE_SECTIONS = ("model", "grid", "inner", "outer", "seed")
+_COMPATIBLE_SECTIONS = ("model", "grid", "inner", "outer", "streaming", "seed")
 
 
 def prepare_run(cfg: TrainConfig, run_dir: Path, resume: bool, shards: ShardSet, grid: Grid) -> int:
@@ -157,81 +207,208 @@ def prepare_run(cfg: TrainConfig, run_dir: Path, resume: bool, shards: ShardSet,
     return latest
 
 
+@dataclass
+class Setup:
+    """Everything a worker builds before its first round."""
+    grid: Grid
+    plan: list[tuple[str, list[str]]]   # every trainee's (path, sources), all ranks
+    ranks: list[int]                    # every trainee's rank
+    trainees: list[Trainee]             # this worker's trainees
+    weights: dict[str, dict[int, float]]
+    modules: dict[str, dict[str, torch.Tensor]]  # global weights of the modules this worker holds
+    outer: OuterOptimizer
+    sync: ModuleSync
+    val_models: dict[str, PathModel]    # paths this worker validates (it is their lowest-rank holder)
+    val_windows: dict[str, torch.Tensor]
+    param_counts: dict[str, int]
+
+
+def build(cfg: TrainConfig, shards: ShardSet, grid: Grid, world, device: torch.device) -> Setup:
+    torch.manual_seed(cfg.seed)
+    plan = plan_trainees(grid, shards, cfg)
+    ranks = assign(len(plan), world.size)
+    mine = [i for i, r in enumerate(ranks) if r == world.rank]
+    trainees = [make_trainee(i, *plan[i], grid, shards, cfg, device) for i in mine]
+    weights = module_weights([grid.path_modules(p) for p, _ in plan], [trainee_size(shards, s) for _, s in plan])
+    holders = {m: sorted({ranks[i] for i in ws}) for m, ws in weights.items()}
+    world.setup(holders)
+    config = llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)
+    held = [m for m in weights if world.rank in holders[m]]
+    every = init_modules(grid, config, cfg.seed)
+    counts = {"total": count_parameters(every), "per_path": count_parameters(every, grid.path_modules(plan[0][0]))}
+    modules = {m: t for m, t in every.items() if m in held}
+    del every
+    if cfg.init_from:
+        init_from_dense(modules, cfg.init_from)
+    modules = {m: {n: t.to(device) for n, t in ts.items()} for m, ts in modules.items()}
+    outer = OuterOptimizer(modules, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
+    sync = ModuleSync(cfg, modules, outer, trainees, weights, {m: len(grid.paths_through(m)) for m in modules}, world)
+    paths = {p: min(ranks[i] for i, (q, _) in enumerate(plan) if q == p) for p, _ in plan}
+    val_models = {p: PathModel(grid, p, config, new_model(config).to(device)) for p, r in paths.items() if r == world.rank}
+    val_windows = {p: fixed_windows([shards.tokens(s, "val") for q, sources in plan if q == p for s in sources],
+                                    cfg.val_batches * cfg.inner.batch_size, cfg.model.max_seq_len) for p in val_models}
+    return Setup(grid, plan, ranks, trainees, weights, modules, outer, sync, val_models, val_windows, counts)
+
+
+def write_run_info(cfg, run_dir: Path, shards: ShardSet, shards_dir, grid: Grid, su: Setup, world) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.toml", to_toml(cfg))
+    write_json(run_dir / "run.json", {
+        "grid": format_grid(grid.shape), "grid_detail": grid.describe(), "vocab_size": shards.vocab_size,
+        "eos_token_id": shards.eos_token_id, "shards_dir": str(Path(shards_dir).resolve()),
+        "shards_fingerprint": shards.fingerprint, "shards_grid": shards.grid,
+        "tokenizer_sha256": shards.manifest["tokenizer"]["sha256"],
+        "trainees": [{"path": p, "sources": s, "tokens": trainee_size(shards, s), "worker": r}
+                     for (p, s), r in zip(su.plan, su.ranks)],
+        "workers": world.size,
+        "parameters": su.param_counts,
+        "versions": {"dipaco": dipaco.__version__, "torch": torch.__version__}})
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+
+def start_round(cfg, run_dir: Path, resume: bool, shards: ShardSet, shards_dir, grid: Grid, su: Setup, world) -> int:
+    """Rank 0 checks (or creates) the run directory; every rank gets the round to start from (or the error)."""
+    result = None
+    if world.rank == 0:
+        try:
+            result = prepare_run(cfg, run_dir, resume, shards, grid)
+            if result == 0:
+                write_run_info(cfg, run_dir, shards, shards_dir, grid, su, world)
+        except DipacoError as exc:
+            result = exc
+    result = world.broadcast(result if world.rank == 0 else None)
+    if isinstance(result, DipacoError):
+        raise DipacoError(str(result))
+    if result > 0:
+        load_round(run_dir, result, su)
+    if result == 0 or not su.sync.keeps_local_weights:
+        for tr in su.trainees:  # a round starts from the global weights; AdamW state stays local
+            tr.model.load_modules(su.modules)
+    if result == 0:
+        save_round(run_dir, 0, su, world)
+    return result
+
+
+def load_round(run_dir: Path, r: int, su: Setup) -> None:
+    device = next(iter(next(iter(su.modules.values())).values())).device
+    for m, tensors in checkpoint.load_modules(run_dir, r, list(su.modules)).items():
+        for n, t in tensors.items():
+            su.modules[m][n].copy_(t)
+    outer_state, trainee_states, _ = checkpoint.load_state(run_dir, r, [tr.index for tr in su.trainees])
+    su.outer.load_state_dict({k: v.to(device) for k, v in outer_state.items() if k.split("/", 1)[0] in su.modules})
+    for tr, state in zip(su.trainees, trainee_states):
+        tr.load_state(state)
+    su.sync.load_state(checkpoint.load_sync(run_dir, r), device)
+
+
+def save_round(run_dir: Path, r: int, su: Setup, world) -> None:
+    """Gather what the lowest-rank holder of every module and every worker's trainees have; rank 0 writes."""
+    owned = [m for m in su.modules if _holders(su, m)[0] == world.rank]
+    outer = su.outer.state_dict()
+    part = {"modules": {m: {n: t.detach().cpu() for n, t in su.modules[m].items()} for m in owned},
+            "outer": {k: v.detach().cpu() for k, v in outer.items() if k.split("/", 1)[0] in owned},
+            "trainees": {tr.index: tr.state(su.sync.keeps_local_weights) for tr in su.trainees},
+            "sync": [{**p, "grads": {m: g for m, g in p["grads"].items() if m in owned}} for p in su.sync.state()]}
+    parts = world.gather(part)
+    if world.rank != 0:
+        return
+    modules = {m: t for p in parts for m, t in p["modules"].items()}
+    modules = {m: modules[m] for m in su.weights}  # the global module order
+    outer_state = {k: v for p in parts for k, v in p["outer"].items()}
+    states = {i: s for p in parts for i, s in p["trainees"].items()}
+    pending = {}
+    for p in parts:
+        for d in p["sync"]:
+            pending.setdefault((d["started"], d["fragment"]), {**d, "grads": {}})["grads"].update(d["grads"])
+    checkpoint.save_round(run_dir, r, modules, outer_state, [states[i] for i in range(len(su.plan))],
+                          {"trainee_paths": [p for p, _ in su.plan]}, [pending[k] for k in sorted(pending)])
+
+
+def _holders(su: Setup, m: str) -> list[int]:
+    return sorted({su.ranks[i] for i in su.weights[m]})
+
+
 def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume: bool = False, progress: bool = True) -> dict:
     shards, run_dir = ShardSet(shards_dir), Path(run_dir)
     grid = build_grid(cfg, cfg.grid.shape or shards.grid)
-    start = prepare_run(cfg, run_dir, resume, shards, grid)
-    torch.manual_seed(cfg.seed)
-    trainees = [make_trainee(i, p, s, grid, shards, cfg) for i, (p, s) in enumerate(plan_trainees(grid, shards, cfg))]
-    weights = module_weights([tr.model.modules for tr in trainees], [tr.size for tr in trainees])
-    val_models = {p: PathModel(grid, p, trainees[0].model.config) for p in dict.fromkeys(tr.path for tr in trainees)}
-    val_windows = {p: fixed_windows([shards.tokens(s, "val") for tr in trainees if tr.path == p for s in tr.sources],
-                                    cfg.val_batches * cfg.inner.batch_size, cfg.model.max_seq_len) for p in val_models}
-    if start == 0:
-        modules = init_modules(grid, trainees[0].model.config, cfg.seed)
-        outer = OuterOptimizer(modules, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / "config.toml", to_toml(cfg))
-        write_json(run_dir / "run.json", {
-            "grid": format_grid(grid.shape), "grid_detail": grid.describe(), "vocab_size": shards.vocab_size,
-            "eos_token_id": shards.eos_token_id, "shards_dir": str(Path(shards_dir).resolve()),
-            "shards_fingerprint": shards.fingerprint, "shards_grid": shards.grid,
-            "tokenizer_sha256": shards.manifest["tokenizer"]["sha256"],
-            "trainees": [{"path": tr.path, "sources": tr.sources, "tokens": tr.size} for tr in trainees],
-            "parameters": {"total": count_parameters(modules),
-                           "per_path": count_parameters(modules, trainees[0].model.modules)},
-            "versions": {"dipaco": dipaco.__version__, "torch": torch.__version__}})
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        save_round(run_dir, 0, modules, outer, trainees)
-    else:
-        modules = checkpoint.load_modules(run_dir, start)
-        outer = OuterOptimizer(modules, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
-        outer_state, trainee_states, _ = checkpoint.load_state(run_dir, start)
-        outer.load_state_dict(outer_state)
-        for tr, state in zip(trainees, trainee_states):
-            tr.load_state(state)
+    device = resolve_device(cfg.device)
+    resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted us
+    world = make_world(cfg, str(device))
+    try:
+        return _train(cfg, shards, shards_dir, run_dir, resume, progress, grid, device, world)
+    finally:
+        world.close()
 
-    world, H, total = LocalWorld(), cfg.inner_steps, cfg.rounds * cfg.inner_steps
-    metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
-    bar = tqdm(total=(cfg.rounds - start) * H * len(trainees), desc=f"train {run_dir.name}", unit="step",
-               disable=not progress, dynamic_ncols=True)
+
+def _train(cfg, shards, shards_dir, run_dir, resume, progress, grid, device, world) -> dict:
+    su = build(cfg, shards, grid, world, device)
+    start = start_round(cfg, run_dir, resume, shards, shards_dir, grid, su, world)
+    H, total = cfg.inner_steps, cfg.rounds * cfg.inner_steps
+    metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if world.rank == 0 else None
+    bar = tqdm(total=(cfg.rounds - start) * H * len(su.trainees), desc=f"train {run_dir.name}", unit="step",
+               disable=not progress or world.rank != 0, dynamic_ncols=True)
     for r in range(start, cfg.rounds):
-        began, losses = time.perf_counter(), [0.0] * len(trainees)
-        for tr in trainees:  # every round starts from the global weights; AdamW state stays local
-            tr.model.load_modules(modules)
+        began, compute, losses, inner_logs = time.perf_counter(), 0.0, {tr.index: 0.0 for tr in su.trainees}, []
+        before = world.stats()  # cumulative: a reduction still in flight is counted in the round it ends in
+        for tr in su.trainees:
             tr.model.model.train()
-        for t in range(H):
-            for tr in trainees:
+        for t in range(r * H + 1, (r + 1) * H + 1):
+            tic = time.perf_counter()
+            for tr in su.trainees:
                 loss = inner_step(tr, cfg, total)
                 losses[tr.index] += loss / H
                 if cfg.log_every and tr.step % cfg.log_every == 0:
-                    log(metrics, kind="inner", round=r + 1, step=tr.step, trainee=tr.index, path=tr.path, loss=loss,
-                        lr=tr.optimizer.param_groups[0]["lr"])
+                    inner_logs.append(dict(kind="inner", round=r + 1, step=tr.step, trainee=tr.index, path=tr.path,
+                                           loss=loss, lr=tr.optimizer.param_groups[0]["lr"]))
                 bar.update()
-        for m, contributors in weights.items():  # outer step, module by module
-            grad = zeros_like_module(modules[m])
-            for i, w in contributors.items():
-                add_weighted_outer_gradient(grad, modules[m], trainees[i].model.module_tensors(m), w)
-            world.reduce_module(m, grad)
-            if cfg.grid.sqrt_rescale:
-                sqrt_rescale(grad, len(grid.paths_through(m)))
-            outer.step(m, grad)
-        val = validate(modules, val_models, val_windows, cfg.inner.batch_size) if cfg.val_batches else {}
-        seconds = time.perf_counter() - began
-        tokens = H * len(trainees) * cfg.inner.batch_size * cfg.model.max_seq_len
-        log(metrics, kind="round", round=r + 1, train_loss=sum(losses) / len(losses),
-            train_loss_by_trainee=losses, val_loss=val, val_loss_mean=(sum(val.values()) / len(val)) if val else None,
-            seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds, bytes_sent=world.bytes_sent)
-        bar.set_postfix(round=r + 1, loss=f"{sum(losses) / len(losses):.3f}")
-        save_round(run_dir, r + 1, modules, outer, trainees)
+            compute += time.perf_counter() - tic
+            su.sync.after_step(t)
+        if r + 1 == cfg.rounds:
+            su.sync.flush()
+        val = validate(su.modules, su.val_models, su.val_windows, cfg.inner.batch_size) if cfg.val_batches else {}
+        report = world.gather({"losses": losses, "val": val, "inner": inner_logs, "compute_s": compute,
+                               "seconds": time.perf_counter() - began,
+                               **{k: v - before[k] for k, v in world.stats().items()}})
+        if metrics is not None:
+            log_round(metrics, r + 1, report, cfg, len(su.plan))
+            bar.set_postfix(round=r + 1, loss=f"{sum(sum(p['losses'].values()) for p in report) / len(su.plan):.3f}")
+        if (r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds:
+            save_round(run_dir, r + 1, su, world)
     bar.close()
-    metrics.close()
-    return {"run": str(run_dir), "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(trainees)}
+    if metrics is not None:
+        metrics.close()
+    write_worker_report(run_dir, su, world)
+    return {"run": str(run_dir), "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(su.plan),
+            "workers": world.size}
 
 
-def save_round(run_dir: Path, r: int, modules, outer: OuterOptimizer, trainees: list[Trainee]) -> None:
-    checkpoint.save_round(run_dir, r, modules, outer.state_dict(), [tr.state() for tr in trainees],
-                          {"trainee_paths": [tr.path for tr in trainees]})
+def write_worker_report(run_dir: Path, su: Setup, world) -> None:
+    """RUN/workers/rank_<r>.json: this worker's trainees, the modules it holds (with a digest of their
+    final global weights, equal on all holders) and the bytes it exchanged per module."""
+    digests = {m: hashlib.sha256(b"".join(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                                          for t in ts.values())).hexdigest() for m, ts in su.modules.items()}
+    (run_dir / "workers").mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / "workers" / f"rank_{world.rank}.json", {
+        "rank": world.rank, "workers": world.size, "trainees": [tr.index for tr in su.trainees],
+        "modules": digests, "module_bytes": world.module_bytes})
+
+
+def log_round(metrics, r: int, report: list[dict], cfg: TrainConfig, num_trainees: int) -> None:
+    """One 'round' line (plus the buffered 'inner' lines) from every worker's report."""
+    for rec in sorted((x for p in report for x in p["inner"]), key=lambda x: (x["step"], x["trainee"])):
+        log(metrics, **rec)
+    losses = {i: l for p in report for i, l in p["losses"].items()}
+    losses = [losses[i] for i in range(num_trainees)]
+    val = {k: v for p in report for k, v in p["val"].items()}
+    seconds = max(p["seconds"] for p in report)
+    tokens = cfg.inner_steps * num_trainees * cfg.inner.batch_size * cfg.model.max_seq_len
+    by_rank = {k: [p[k] for p in report] for k in ("bytes_sent", "bytes_received", "compute_s", "comm_s", "wait_s")}
+    log(metrics, kind="round", round=r, train_loss=sum(losses) / len(losses), train_loss_by_trainee=losses,
+        val_loss=val, val_loss_mean=(sum(val.values()) / len(val)) if val else None, seconds=seconds, tokens=tokens,
+        tokens_per_s=tokens / seconds, workers=len(report), bytes_sent=sum(by_rank["bytes_sent"]),
+        bytes_received=sum(by_rank["bytes_received"]), compute_s=sum(by_rank["compute_s"]) / len(report),
+        comm_s=sum(by_rank["comm_s"]) / len(report), wait_s=sum(by_rank["wait_s"]) / len(report),
+        by_worker=by_rank)
 
 
 def log(stream, **record) -> None:
