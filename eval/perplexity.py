@@ -273,8 +273,15 @@ def evaluate(runs: dict[str, str | Path], shards_dir: str | Path, round: int | N
     ``baseline`` adds a dense run (grid 1) as the row "dense baseline"; the extra methods apply to
     every routed (non-dense) run.
     """
+    if any(w < 1 for w in route_every):
+        raise DipacoError(f"--route-every {min(route_every)} is not valid; give a window of at least 1 token")
+    if mixture < 0 or (mixture > 1 and temperature <= 0):
+        raise DipacoError(f"--mixture {mixture} with temperature {temperature} is not valid; use k >= 2 and T > 0 (c-BTM: 0.1)")
     shards = ShardSet(shards_dir)
     loaded = {name: Run(path) for name, path in runs.items()}
+    for run in loaded.values():
+        if round is not None and round not in run.rounds:
+            raise DipacoError(f"run {run.root} has no round {round}; available: {run.rounds}")
     if baseline is not None:
         b = Run(baseline)
         if not b.is_dense:
