@@ -74,8 +74,8 @@ def cmd_generate(args) -> None:
                 prompts = [line.rstrip("\n") for line in f if line.strip()]
         except OSError as exc:
             raise DipacoError(f"cannot read --prompts-file {args.prompts_file} ({exc.strerror}); give a text file, one prompt a line")
-    else:
-        prompts = list(args.prompt)
+    else:  # words given without quotes form one prompt
+        prompts = [" ".join(args.prompt)] if args.prompt else []
     if not prompts:
         raise DipacoError("no prompt given; pass a prompt as an argument or --prompts-file FILE (one prompt a line)")
     rr = load(args.run, args.shards)
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="route a prompt and continue it with one path")
     p.add_argument("--run", required=True, help="run directory")
     p.add_argument("--shards", help="shard directory (router and tokenizer); default: the run's own")
-    p.add_argument("prompt", nargs="*", help="prompt text (or use --prompts-file)")
+    p.add_argument("prompt", nargs="*", help="prompt text, quoted (or use --prompts-file)")
     p.add_argument("--prompts-file", help="text file, one prompt a line")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")

@@ -47,7 +47,7 @@ def window_nll(model, docs: list[list[int]], wanted: list[tuple[int, int]], seq_
         logits = model(input_ids=inputs).logits.float()
         nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none").numpy()
         for i, (key, r) in enumerate(zip(chunk, rows)):
-            out[key] = nll[i, :len(r) - 1].astype(np.float64)
+            out[key] = nll[i, :len(r) - 1].copy()  # float32: the cache holds every window of every path
         if progress is not None:
             progress.update(len(chunk))
     return out
@@ -65,6 +65,6 @@ def document_nll(model, docs: list[list[int]], context: int, seq_len: int, batch
         for j in windows_for(lo, len(ids), seq_len):
             first = j * seq_len + 1  # target position of the window's first target
             scored = nll[(d, j)][max(0, lo - first):]
-            s, n = s + float(scored.sum()), n + len(scored)
+            s, n = s + float(scored.sum(dtype=np.float64)), n + len(scored)
         totals.append((s, n))
     return totals

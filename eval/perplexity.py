@@ -114,7 +114,7 @@ class Scorer:
                     stack = np.stack([math.log(w) - self.nll(p, r, d, lo, hi) for p, r, w in mix if w > 0])
                     top = stack.max(axis=0)
                     nll = -(top + np.log(np.exp(stack - top).sum(axis=0)))
-                s = float(nll.sum())
+                s = float(nll.sum(dtype=np.float64))
                 total, count = total + s, count + len(nll)
                 top_path = max(mix, key=lambda m: m[2])[0]
                 row = per_path.setdefault(top_path, [0.0, 0, 0])
@@ -258,7 +258,7 @@ def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[in
         every = [(p, r, 1.0) for p in run.grid.paths]
         lo = max(1, context)
         scorer.ensure([[(lo, len(x), [m]) for m in every] for x in ids])
-        best = [min(run.grid.paths, key=lambda p: float(scorer.nll(p, r, d, lo, len(x)).sum()) if len(x) > lo else 0.0)
+        best = [min(run.grid.paths, key=lambda p: float(scorer.nll(p, r, d, lo, len(x)).sum(dtype=np.float64)) if len(x) > lo else 0.0)
                 for d, x in enumerate(ids)]
         add("oracle", once_segments(best, ids, context, r), routing="best path per document (oracle)")
     return rows
