@@ -232,6 +232,8 @@ def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[in
 
     def add(method: str, segments, **extra):
         per_doc, per_path = scorer.score(segments)
+        for p in run.grid.paths:  # a path no document reached still gets its (empty) row
+            per_path.setdefault(p, [0.0, 0, 0])
         rows[name if method == "routed" else f"{name} {method}"] = summarise(per_doc, per_path, labels) | base | extra
 
     routes = route_documents(run, shards, ids, context)

@@ -69,7 +69,10 @@ def plot_rounds(report: dict, path: str | Path) -> bool:
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for run, rows in curves.items():
         rounds = [int(r) for r in rows]
-        ax.plot(rounds, [rows[r]["val_perplexity"] for r in rows], marker="o", label=f"{run} (mean over paths)")
+        many = len(next(iter(rows.values()))["per_path"]) > 1
+        ax.plot(rounds, [rows[r]["val_perplexity"] for r in rows], marker="o",
+                label=f"{run} (mean over paths)" if many else run)
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("round (outer step)")
     ax.set_ylabel("validation perplexity")
     ax.set_yscale("log")
@@ -82,12 +85,14 @@ def plot_rounds(report: dict, path: str | Path) -> bool:
 
 
 def plot_paths(report: dict, path: str | Path) -> bool:
-    routed = {n: m["per_path"] for n, m in report["methods"].items() if len(m.get("per_path", {})) > 1}
+    # the once-routed row of every routed run, with its oracle beside it: where the router sends documents
+    routed = {n: m["per_path"] for n, m in report["methods"].items() if len(m.get("per_path", {})) > 1
+              and ((m.get("routing") == "once" and not m.get("rounds")) or n.endswith(" oracle"))}
     if not routed:
         return False
     plt = _plt()
     paths = sorted({p for pp in routed.values() for p in pp})
-    fig, ax = plt.subplots(figsize=(max(4, 0.5 * len(paths) * len(routed) + 2), 3.4))
+    fig, ax = plt.subplots(figsize=(min(16, max(4, 0.35 * len(paths) * len(routed) + 2)), 3.4))
     width = 0.8 / len(routed)
     for i, (name, pp) in enumerate(routed.items()):
         ax.bar([k + i * width for k in range(len(paths))], [pp.get(p, {}).get("documents", 0) for p in paths],
@@ -95,7 +100,7 @@ def plot_paths(report: dict, path: str | Path) -> bool:
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(paths))], paths)
     ax.set_xlabel("path")
     ax.set_ylabel("held-out documents")
-    ax.set_title("documents per path")
+    ax.set_title("held-out documents per path")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
