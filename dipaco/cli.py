@@ -78,10 +78,50 @@ def cmd_eval(args) -> None:
     for spec in args.run:
         name, _, path = spec.rpartition("=")
         runs[name or path.rstrip("/").split("/")[-1]] = path
-    report = evaluate(runs, args.shards, args.round, progress=not args.quiet)
+    report = evaluate(runs, args.shards, args.round, progress=not args.quiet, baseline=args.baseline,
+                      route_every=args.route_every, oracle=not args.no_oracle, random=not args.no_random,
+                      early_stopping=args.early_stopping, mixture=args.mixture, temperature=args.temperature,
+                      seed=args.seed)
     files = write_report(report, args.out)
     print(markdown_table(report))
-    print(f"\nwrote {files['json']}, {files['markdown']}, {files['plot']}")
+    print("\nwrote " + ", ".join(files.values()))
+
+
+def cmd_generate(args) -> None:
+    from dipaco.eval.api import load
+    from dipaco.eval.generate import generate
+
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as exc:
+            raise DipacoError(f"cannot read --prompts-file {args.prompts_file} ({exc.strerror}); give a text file, one prompt a line")
+    else:  # words given without quotes form one prompt
+        prompts = [" ".join(args.prompt)] if args.prompt else []
+    if not prompts:
+        raise DipacoError("no prompt given; pass a prompt as an argument or --prompts-file FILE (one prompt a line)")
+    rr = load(args.run, args.shards)
+    for prompt in prompts:
+        g = generate(rr, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                     seed=args.seed, round=args.round, mixture=args.mixture, mixture_temperature=args.mixture_temperature,
+                     path=rr.check_path(args.path) if args.path else None)
+        paths = ", ".join(p if len(g.paths) == 1 else f"{p} (w={w:.3f})" for p, w in g.paths)
+        print(f"# path {paths}: loaded {g.bytes_loaded / 1e6:.2f} MB of {g.bytes_total / 1e6:.2f} MB "
+              f"({100 * g.bytes_loaded / g.bytes_total:.0f}% of the model), {g.new_tokens} new tokens", file=sys.stderr)
+        print(prompt + g.text)
+        if len(prompts) > 1:
+            print()
+
+
+def cmd_export(args) -> None:
+    from dipaco.eval.api import load
+
+    rr = load(args.run, args.shards)
+    out = rr.export(rr.check_path(args.path), args.out, args.round, args.overwrite)
+    loaded, total = rr.bytes_of([args.path], args.round)
+    print(f"exported path {args.path} of {args.run} to {out} ({loaded / 1e6:.2f} MB of {total / 1e6:.2f} MB of modules); "
+          f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
 
 
 def cmd_quickstart(args) -> None:
@@ -135,9 +175,43 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="routed perplexity on the held-out documents")
     p.add_argument("--run", action="append", required=True, metavar="[NAME=]RUN", help="run directory (repeatable)")
     p.add_argument("--shards", required=True, help="the shard directory the runs were trained on")
-    p.add_argument("--out", required=True, help="report.json to write (report.md and report.png go beside it)")
+    p.add_argument("--out", required=True, help="report.json to write (report.md and PNG plots go beside it)")
     p.add_argument("--round", type=int, help="evaluate this round instead of the latest")
+    p.add_argument("--baseline", metavar="RUN", help="a dense run (--grid 1) scored on the same tokens")
+    p.add_argument("--route-every", type=int, action="append", default=[], metavar="W",
+                   help="also re-route every W tokens using the previous window (repeatable)")
+    p.add_argument("--early-stopping", action="store_true",
+                   help="also evaluate each path at its round of lowest validation loss (metrics.jsonl)")
+    p.add_argument("--mixture", type=int, default=0, metavar="K", help="also score a c-BTM mixture of the K nearest paths")
+    p.add_argument("--temperature", type=float, default=0.1, help="mixture weights softmax(-d^2/T) (default 0.1)")
+    p.add_argument("--no-oracle", action="store_true", help="skip the oracle row (it scores every path on every document)")
+    p.add_argument("--no-random", action="store_true", help="skip the random-routing row")
+    p.add_argument("--seed", type=int, default=0, help="seed of random routing")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("generate", help="route a prompt and continue it with one path")
+    p.add_argument("--run", required=True, help="run directory")
+    p.add_argument("--shards", help="shard directory (router and tokenizer); default: the run's own")
+    p.add_argument("prompt", nargs="*", help="prompt text, quoted (or use --prompts-file)")
+    p.add_argument("--prompts-file", help="text file, one prompt a line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--round", type=int, help="checkpoint round (default latest)")
+    p.add_argument("--path", help="use this path instead of routing")
+    p.add_argument("--mixture", type=int, default=0, metavar="K", help="mix the K nearest paths (c-BTM)")
+    p.add_argument("--mixture-temperature", type=float, default=0.1, help="mixture weights softmax(-d^2/T)")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("export", help="write one path as a plain Hugging Face model directory")
+    p.add_argument("--run", required=True, help="run directory")
+    p.add_argument("--path", required=True, help="path id, e.g. 0-1 (a dense run: 0)")
+    p.add_argument("--out", required=True, help="directory to create")
+    p.add_argument("--round", type=int, help="checkpoint round (default latest)")
+    p.add_argument("--shards", help="shard directory for the tokenizer; default: the run's own")
+    p.add_argument("--overwrite", action="store_true", help="replace --out once the new export is complete")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("quickstart", help="the whole pipeline on an embedded default corpus, offline")
     p.add_argument("--out", default="dipaco-quickstart", help="output directory (re-running continues there)")

@@ -1,23 +1,42 @@
-"""Routed perplexity on the held-out documents of a shard directory.
+"""Routed perplexity on the held-out documents of a shard directory, and the rows to compare it with.
 
-Each document is routed by its first ``context_tokens`` tokens (decoded to text: the router sees
-exactly the unscored prefix, never a scored token) and the rest is scored by that one path.
-A dense run (one path) scores every document with its single path.
+Protocol (DiPaCo): the first ``context_tokens`` tokens of a document are the routing context and are
+never scored; every method is scored on exactly the same target tokens.
+
+A *method* gives every document a list of segments ``(lo, hi, [(path, round, weight), ...])``: the
+targets at positions [lo, hi) are scored by that path (weight 1) or by a mixture of paths
+(next-token probabilities of the true token weighted). All methods of one run share a ``Scorer``
+that runs each (path, round, document window) through the model at most once, so oracle, random,
+every-W and mixture rows reuse the forward passes of the routed row.
+
+Methods:
+  routed        route once per document by its decoded prefix (dense runs: their single path)
+  every-W       chunk k (W targets) is scored by the path the router picks for chunk k-1's text;
+                chunk 0 is the prefix. Targets keep the context of their scoring window, so with
+                W >= the document length the result equals ``routed`` exactly.
+  oracle        the path with the lowest loss on each whole document (a bound no router beats)
+  random        a seeded uniform path per document
+  early-stop    ``routed`` with each path at its round of lowest validation loss (metrics.jsonl)
+  mixture-k     c-BTM: the k nearest paths, weights softmax(-d^2 / T) of the router distances
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from dipaco.errors import DipacoError
 from dipaco.routing import Router
 from dipaco.run import Run
-from dipaco.scoring import document_nll
+from dipaco.scoring import window_nll, windows_for
 from dipaco.shards import ShardSet
 from dipaco.sharding.tokenizer import encode
+
+Segment = tuple[int, int, list[tuple[str, int, float]]]
 
 
 def heldout_tokens(shards: ShardSet, max_tokens: int) -> tuple[list[dict], list[list[int]]]:
@@ -45,50 +64,254 @@ def route_documents(run: Run, shards: ShardSet, ids: list[list[int]], context: i
     return Router.load(shards.root / "router").route(prefixes)
 
 
-def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[int]], round: int | None = None,
-                 progress: bool = True) -> dict:
-    check_compatible(run, shards)
-    cfg = run.config.eval
-    r = run.latest() if round is None else round
-    routes = route_documents(run, shards, ids, cfg.context_tokens)
-    per_doc = [(0.0, 0)] * len(ids)
-    by_path: dict[str, list[int]] = {}
-    for i, p in enumerate(routes):
-        by_path.setdefault(p, []).append(i)
-    bar = tqdm(total=len(ids), desc=f"eval {run.root.name}", unit="doc", disable=not progress, dynamic_ncols=True)
-    for path, members in sorted(by_path.items()):
-        model = run.path_model(path, r).model  # only this path's modules are loaded
-        scores = document_nll(model, [ids[i] for i in members], cfg.context_tokens, run.config.model.max_seq_len,
-                              cfg.batch_size, pad_id=run.info["eos_token_id"])
-        for i, s in zip(members, scores):
-            per_doc[i] = s
-        bar.update(len(members))
-    bar.close()
-    return summarise(per_doc, routes, [d.get("label") for d in docs]) | {"round": r, "run": str(run.root)}
+# ------------------------------------------------------------------------------------------ scoring
+class Scorer:
+    """Per-target NLL of the held-out documents under (path, round), each window computed once."""
+
+    def __init__(self, run: Run, ids: list[list[int]], batch_size: int, progress: bool = True):
+        self.run, self.ids, self.batch_size, self.progress = run, ids, batch_size, progress
+        self.seq_len = run.config.model.max_seq_len
+        self.cache: dict[tuple[str, int], dict[tuple[int, int], np.ndarray]] = {}
+
+    def ensure(self, segments: list[list[Segment]]) -> None:
+        """Compute every window any segment needs, loading each path model once."""
+        need: dict[tuple[str, int], set[tuple[int, int]]] = {}
+        for d, segs in enumerate(segments):
+            for lo, hi, mix in segs:
+                for path, r, _ in mix:
+                    need.setdefault((path, r), set()).update((d, j) for j in windows_for(lo, hi, self.seq_len))
+        for key in sorted(need):
+            have = self.cache.setdefault(key, {})
+            todo = sorted(need[key] - have.keys())
+            if not todo:
+                continue
+            model = self.run.path_model(*key).model  # only this path's modules are loaded
+            with tqdm(total=len(todo), desc=f"{self.run.root.name} path {key[0]} round {key[1]}", unit="win",
+                      disable=not self.progress, dynamic_ncols=True, leave=False) as bar:
+                have.update(window_nll(model, self.ids, todo, self.seq_len, self.batch_size,
+                                       pad_id=self.run.info["eos_token_id"], progress=bar))
+
+    def nll(self, path: str, r: int, d: int, lo: int, hi: int) -> np.ndarray:
+        """NLL of targets [lo, hi) of document d (their windows must have been ensured)."""
+        parts, windows = [], self.cache[(path, r)]
+        for j in windows_for(lo, hi, self.seq_len):
+            first = j * self.seq_len + 1
+            parts.append(windows[(d, j)][max(0, lo - first):hi - first])
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+    def score(self, segments: list[list[Segment]]) -> tuple[list[tuple[float, int]], dict[str, list]]:
+        """Per document (NLL sum, tokens) and per top path [NLL sum, tokens, documents]."""
+        self.ensure(segments)
+        per_doc, per_path = [], {}
+        for d, segs in enumerate(segments):
+            total, count, seen = 0.0, 0, set()
+            for lo, hi, mix in segs:
+                if hi <= lo:
+                    continue
+                if len(mix) == 1:
+                    nll = self.nll(mix[0][0], mix[0][1], d, lo, hi)
+                else:  # -log sum_k w_k p_k(x_t), in log space
+                    stack = np.stack([math.log(w) - self.nll(p, r, d, lo, hi) for p, r, w in mix if w > 0])
+                    top = stack.max(axis=0)
+                    nll = -(top + np.log(np.exp(stack - top).sum(axis=0)))
+                s = float(nll.sum(dtype=np.float64))
+                total, count = total + s, count + len(nll)
+                top_path = max(mix, key=lambda m: m[2])[0]
+                row = per_path.setdefault(top_path, [0.0, 0, 0])
+                row[0], row[1] = row[0] + s, row[1] + len(nll)
+                if top_path not in seen:
+                    row[2], seen = row[2] + 1, seen | {top_path}
+            per_doc.append((total, count))
+        return per_doc, per_path
 
 
-def summarise(per_doc: list[tuple[float, int]], routes: list[str], labels: list[str | None]) -> dict:
-    def ppl(rows):
-        nll, n = sum(r[0] for r in rows), sum(r[1] for r in rows)
-        return {"perplexity": math.exp(nll / n) if n else None, "tokens": n, "documents": sum(1 for r in rows if r[1])}
+# ------------------------------------------------------------------------------------------ methods
+def _ppl(nll: float, n: int) -> float | None:
+    return math.exp(nll / n) if n else None
 
-    out = ppl(per_doc)
-    out["per_path"] = {p: ppl([s for s, q in zip(per_doc, routes) if q == p]) for p in sorted(set(routes))}
+
+def summarise(per_doc: list[tuple[float, int]], per_path: dict[str, list], labels: list[str | None]) -> dict:
+    nll, n = sum(s for s, _ in per_doc), sum(c for _, c in per_doc)
+    out = {"perplexity": _ppl(nll, n), "tokens": n, "documents": sum(1 for _, c in per_doc if c), "nll_sum": nll}
+    out["per_path"] = {p: {"perplexity": _ppl(v[0], v[1]), "tokens": v[1], "documents": v[2]}
+                       for p, v in sorted(per_path.items())}
     if any(l is not None for l in labels):
-        out["per_label"] = {l: ppl([s for s, m in zip(per_doc, labels) if m == l])
-                            for l in sorted({str(l) for l in labels if l is not None})}
+        out["per_label"] = {}
+        for label in sorted({str(l) for l in labels if l is not None}):
+            rows = [s for s, l in zip(per_doc, labels) if l is not None and str(l) == label]
+            ln, lc = sum(s for s, _ in rows), sum(c for _, c in rows)
+            out["per_label"][label] = {"perplexity": _ppl(ln, lc), "tokens": lc, "documents": sum(1 for _, c in rows if c)}
     return out
 
 
-def evaluate(runs: dict[str, str | Path], shards_dir: str | Path, round: int | None = None, progress: bool = True) -> dict:
-    """Report for several runs on the same held-out tokens: {"methods": {name: {...}}, ...}."""
+def once_segments(routes: list[str], ids: list[list[int]], context: int, rounds: dict[str, int] | int) -> list[list[Segment]]:
+    lo = max(1, context)
+    return [[(lo, len(x), [(p, rounds if isinstance(rounds, int) else rounds[p], 1.0)])] for p, x in zip(routes, ids)]
+
+
+def every_w_segments(router: Router, tok, ids: list[list[int]], context: int, w: int, r: int) -> list[list[Segment]]:
+    """Chunk k of W targets takes the path routed from chunk k-1's text (chunk 0: the prefix)."""
+    if w < 1:
+        raise DipacoError(f"--route-every {w} is not valid; give a window of at least 1 token")
+    lo0 = max(1, context)
+    bounds, texts_ids = [], []
+    for x in ids:
+        cuts = [(lo, min(lo + w, len(x))) for lo in range(lo0, len(x), w)]
+        prev = [(0, lo0)] + cuts[:-1]
+        bounds.append(cuts)
+        texts_ids += [x[a:b] for a, b in prev]
+    paths = iter(router.route(tok.batch_decode(texts_ids)) if texts_ids else [])
+    return [[(lo, hi, [(next(paths), r, 1.0)]) for lo, hi in cuts] for cuts in bounds]
+
+
+def mixture_weights(topk: list[tuple[str, float]], temperature: float) -> list[tuple[str, float]]:
+    """c-BTM: softmax(-d^2 / T) over the k nearest paths' squared distances."""
+    if temperature <= 0:
+        raise DipacoError(f"mixture temperature {temperature} is not valid; use a positive value (c-BTM: 0.1)")
+    d = np.array([dist for _, dist in topk], dtype=np.float64)
+    w = np.exp(-(d - d.min()) / temperature)
+    w /= w.sum()
+    return [(p, float(x)) for (p, _), x in zip(topk, w)]
+
+
+def read_metrics(run: Run) -> list[dict]:
+    f = run.root / "metrics.jsonl"
+    if not f.is_file():
+        return []
+    rows = []
+    for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise DipacoError(f"{f} line {n} is not JSON; repair or remove that line") from None
+    return rows
+
+
+def val_loss_by_round(run: Run) -> dict[int, dict[str, float]]:
+    """{round: {path: validation loss of the global weights after that round}} from metrics.jsonl."""
+    out = {}
+    for row in read_metrics(run):
+        if row.get("kind") == "round" and row.get("val_loss"):
+            out[int(row["round"])] = {p: float(v) for p, v in row["val_loss"].items()}
+    return out
+
+
+def early_stopping_rounds(run: Run) -> dict[str, int]:
+    """Per path, the checkpointed round with the lowest validation loss (ties: the earliest)."""
+    available = set(run.rounds)
+    picks: dict[str, tuple[float, int]] = {}
+    for r, losses in sorted(val_loss_by_round(run).items()):
+        if r not in available:
+            continue
+        for p, loss in losses.items():
+            if math.isfinite(loss) and (p not in picks or loss < picks[p][0]):
+                picks[p] = (loss, r)
+    if not picks:
+        raise DipacoError(f"{run.root / 'metrics.jsonl'} has no validation losses for checkpointed rounds; "
+                          f"train with val_batches > 0 or drop --early-stopping")
+    latest = run.latest()
+    return {p: picks[p][1] if p in picks else latest for p in run.grid.paths}
+
+
+# ------------------------------------------------------------------------------------------ evaluate
+def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[int]], round: int | None = None,
+                 progress: bool = True, route_every: list[int] = (), oracle: bool = False, random: bool = False,
+                 early_stopping: bool = False, mixture: int = 0, temperature: float = 0.1, seed: int = 0,
+                 name: str = "run") -> dict[str, dict]:
+    """Rows {method name: summary} for one run: ``name`` (routed) plus the requested extras."""
+    check_compatible(run, shards)
+    context = run.config.eval.context_tokens
+    r = run.latest() if round is None else round
+    if r not in run.rounds:
+        raise DipacoError(f"run {run.root} has no round {r}; available: {run.rounds}")
+    labels = [d.get("label") for d in docs]
+    scorer = Scorer(run, ids, run.config.eval.batch_size, progress)
+    base = {"run": str(run.root), "round": r, "grid": run.info["grid"]}
+    rows: dict[str, dict] = {}
+
+    def add(method: str, segments, **extra):
+        per_doc, per_path = scorer.score(segments)
+        for p in run.grid.paths:  # a path no document reached still gets its (empty) row
+            per_path.setdefault(p, [0.0, 0, 0])
+        rows[name if method == "routed" else f"{name} {method}"] = summarise(per_doc, per_path, labels) | base | extra
+
+    routes = route_documents(run, shards, ids, context)
+    add("routed", once_segments(routes, ids, context, r), routing="once")
+    if run.is_dense:
+        return rows
+    router, tok = Router.load(shards.root / "router"), shards.tokenizer()
+    for w in route_every:
+        add(f"every-{w}", every_w_segments(router, tok, ids, context, w, r), routing=f"every {w} tokens")
+    if early_stopping:
+        picks = early_stopping_rounds(run)
+        add("early-stop", once_segments(routes, ids, context, picks), routing="once", round=None, rounds=picks)
+    if mixture > 1:
+        prefixes = tok.batch_decode([x[:context] for x in ids])
+        mixes = [[(p, r, w) for p, w in mixture_weights(t, temperature)] for t in router.route_topk(prefixes, mixture)]
+        lo = max(1, context)
+        add(f"mixture-{mixture}", [[(lo, len(x), m)] for x, m in zip(ids, mixes)],
+            routing=f"mixture of the {mixture} nearest paths, T={temperature}")
+    if random:
+        rng = np.random.default_rng(seed)
+        picks = [run.grid.paths[i] for i in rng.integers(0, run.grid.num_paths, len(ids))]
+        add("random", once_segments(picks, ids, context, r), routing=f"uniform random path per document (seed {seed})")
+    if oracle:
+        every = [(p, r, 1.0) for p in run.grid.paths]
+        lo = max(1, context)
+        scorer.ensure([[(lo, len(x), [m]) for m in every] for x in ids])
+        best = [min(run.grid.paths, key=lambda p: float(scorer.nll(p, r, d, lo, len(x)).sum(dtype=np.float64)) if len(x) > lo else 0.0)
+                for d, x in enumerate(ids)]
+        add("oracle", once_segments(best, ids, context, r), routing="best path per document (oracle)")
+    return rows
+
+
+def evaluate(runs: dict[str, str | Path], shards_dir: str | Path, round: int | None = None, progress: bool = True,
+             baseline: str | Path | None = None, route_every: list[int] = (), oracle: bool = False,
+             random: bool = False, early_stopping: bool = False, mixture: int = 0, temperature: float = 0.1,
+             seed: int = 0) -> dict:
+    """Report for several runs on the same held-out tokens: {"methods": {name: {...}}, ...}.
+
+    ``baseline`` adds a dense run (grid 1) as the row "dense baseline"; the extra methods apply to
+    every routed (non-dense) run.
+    """
+    if any(w < 1 for w in route_every):
+        raise DipacoError(f"--route-every {min(route_every)} is not valid; give a window of at least 1 token")
+    if mixture < 0 or (mixture > 1 and temperature <= 0):
+        raise DipacoError(f"--mixture {mixture} with temperature {temperature} is not valid; use k >= 2 and T > 0 (c-BTM: 0.1)")
     shards = ShardSet(shards_dir)
     loaded = {name: Run(path) for name, path in runs.items()}
+    for run in loaded.values():
+        if round is not None and round not in run.rounds:
+            raise DipacoError(f"run {run.root} has no round {round}; available: {run.rounds}")
+    if baseline is not None:
+        b = Run(baseline)
+        if not b.is_dense:
+            raise DipacoError(f"--baseline {baseline} has grid {b.info['grid']}; give a dense run (trained with --grid 1)")
+        loaded["dense baseline"] = b
+    if not loaded:
+        raise DipacoError("no run to evaluate; pass --run RUN")
     max_tokens = max(r.config.eval.max_tokens_per_doc for r in loaded.values())
     contexts = {r.config.eval.context_tokens for r in loaded.values()}
     if len(contexts) > 1:
         raise DipacoError(f"runs use different eval.context_tokens {sorted(contexts)}; compare runs with the same setting")
     docs, ids = heldout_tokens(shards, max_tokens)
-    methods = {name: evaluate_run(run, shards, docs, ids, round, progress) for name, run in loaded.items()}
-    return {"shards": str(Path(shards_dir).resolve()), "context_tokens": contexts.pop(), "heldout_documents": len(docs),
-            "methods": methods}
+    methods, early, curves = {}, {}, {}
+    for name, run in loaded.items():
+        rows = evaluate_run(run, shards, docs, ids, round, progress, route_every, oracle, random, early_stopping,
+                            mixture, temperature, seed, name)
+        methods.update(rows)
+        for row in rows.values():
+            if row.get("rounds"):
+                early[name] = row["rounds"]
+        curve = val_loss_by_round(run)
+        if len(curve) > 1:
+            curves[name] = {str(r): {"val_loss_mean": sum(v.values()) / len(v), "val_perplexity": math.exp(sum(v.values()) / len(v)),
+                                     "per_path": v} for r, v in sorted(curve.items())}
+    report = {"shards": str(Path(shards_dir).resolve()), "context_tokens": contexts.pop(), "heldout_documents": len(docs),
+              "methods": methods}
+    if early:
+        report["early_stopping"] = early
+    if curves:
+        report["rounds_curve"] = curves
+    return report

@@ -1,0 +1,99 @@
+"""Routed generation: route the prompt, load only the chosen path, generate with transformers.
+
+``--mixture k`` mixes the next-token distributions of the k nearest paths with c-BTM weights
+softmax(-d^2 / T) of the router distances; it runs its own decoding loop (one KV cache per path).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from dipaco.errors import DipacoError
+from dipaco.eval.api import RoutedRun
+from dipaco.eval.perplexity import mixture_weights
+
+
+@dataclass
+class Generation:
+    prompt: str
+    text: str                      # the generated continuation (prompt not included)
+    paths: list[tuple[str, float]]  # (path, weight): one path with weight 1 unless mixing
+    bytes_loaded: int              # module bytes read for this generation
+    bytes_total: int               # all module bytes of the checkpoint round
+    new_tokens: int = 0
+
+
+def _prompt_ids(rr: RoutedRun, prompt: str) -> torch.Tensor:
+    ids = rr.encode(prompt)
+    if not ids:
+        raise DipacoError("the prompt is empty (zero tokens); give some text to continue, e.g. dipaco generate --run RUN \"def main\"")
+    return torch.tensor([ids], dtype=torch.long)
+
+
+@torch.inference_mode()
+def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int = 0, round: int | None = None, mixture: int = 0, mixture_temperature: float = 0.1,
+             path: str | None = None) -> Generation:
+    """Greedy when ``temperature`` is 0, else sampling with ``temperature`` and ``top_p`` (seeded)."""
+    if max_new_tokens < 1:
+        raise DipacoError(f"--max-new-tokens {max_new_tokens} is not valid; ask for at least 1 token")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise DipacoError(f"sampling options temperature={temperature}, top_p={top_p} are not valid; "
+                          f"use temperature >= 0 (0 = greedy) and 0 < top_p <= 1")
+    ids = _prompt_ids(rr, prompt)
+    if mixture > 1 and not rr.run.is_dense and path is None:
+        return _generate_mixture(rr, prompt, ids, max_new_tokens, temperature, top_p, seed, round, mixture,
+                                 mixture_temperature)
+    chosen = path if path is not None else rr.route([prompt])[0]
+    model = rr.path_model(chosen, round).model
+    torch.manual_seed(seed)
+    sample = temperature > 0
+    # top_k=0: only temperature and top_p shape the distribution (transformers defaults top_k to 50)
+    options = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if sample else dict(do_sample=False)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         pad_token_id=rr.run.info["eos_token_id"], eos_token_id=rr.run.info["eos_token_id"], **options)
+    new = out[0, ids.shape[1]:].tolist()
+    loaded, total = rr.bytes_of([chosen], round)
+    return Generation(prompt, rr.decode(new), [(chosen, 1.0)], loaded, total, len(new))
+
+
+def _generate_mixture(rr: RoutedRun, prompt, ids, max_new_tokens, temperature, top_p, seed, round, k, mix_t) -> Generation:
+    mix = mixture_weights(rr.route_topk([prompt], k)[0], mix_t)
+    models = [rr.path_model(p, round).model for p, _ in mix]
+    weights = torch.tensor([w for _, w in mix], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    eos = rr.run.info["eos_token_id"]
+    # transformers renamed past_key_values to cache (5.x); use whichever this version's forward takes
+    kw = "cache" if "cache" in inspect.signature(models[0].forward).parameters else "past_key_values"
+    caches, step_ids, new = [None] * len(models), ids, []
+    for _ in range(max_new_tokens):
+        probs = torch.zeros(rr.run.info["vocab_size"], dtype=torch.float64)
+        for i, m in enumerate(models):
+            out = m(input_ids=step_ids, use_cache=True, **{kw: caches[i]})
+            caches[i] = out[kw]
+            probs += weights[i] * torch.softmax(out.logits[0, -1].double(), dim=-1)
+        if temperature > 0:
+            probs = _top_p(torch.softmax(probs.log() / temperature, dim=-1), top_p)
+            token = int(torch.multinomial(probs, 1, generator=gen))
+        else:
+            token = int(probs.argmax())
+        new.append(token)
+        if token == eos:
+            break
+        step_ids = torch.tensor([[token]], dtype=torch.long)
+    loaded, total = rr.bytes_of([p for p, _ in mix], round)
+    return Generation(prompt, rr.decode(new), mix, loaded, total, len(new))
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability reaches top_p (nucleus sampling)."""
+    if top_p >= 1:
+        return probs
+    sorted_p, order = probs.sort(descending=True)
+    keep = sorted_p.cumsum(0) - sorted_p < top_p  # the top token is always kept
+    out = torch.zeros_like(probs)
+    out[order[keep]] = sorted_p[keep]
+    return out / out.sum()

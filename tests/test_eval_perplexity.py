@@ -1,0 +1,159 @@
+"""Routed evaluation: prefix not scored, every-W re-routing, oracle/random/early-stopping/mixture rows."""
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from dipaco.errors import DipacoError
+from dipaco.eval.perplexity import (Scorer, early_stopping_rounds, evaluate, every_w_segments, heldout_tokens,
+                                    mixture_weights)
+from dipaco.run import Run
+from dipaco.scoring import document_nll
+from dipaco.shards import ShardSet
+
+from eval_helpers import private_run
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, shards_2x2):
+    return private_run(tmp_path_factory, shards_2x2)
+
+
+@pytest.fixture(scope="module")
+def report(run_dir, shards_2x2):
+    return evaluate({"dipaco": run_dir}, shards_2x2, progress=False, route_every=[16, 1_000_000], oracle=True,
+                    random=True, mixture=2)
+
+
+def _per_position_nll(model, ids, seq_len):
+    """Brute force: NLL of every target position, each window run on its own (position 0 has none)."""
+    out = np.full(len(ids), np.nan)
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, seq_len):
+            window = torch.tensor([ids[start:start + seq_len + 1]])
+            logp = torch.log_softmax(model(input_ids=window[:, :-1]).logits.float(), -1)[0]
+            out[start + 1:start + window.shape[1]] = -logp.gather(1, window[0, 1:, None])[:, 0].numpy()
+    return out
+
+
+def test_prefix_is_not_scored(run_dir, shards_2x2, report):
+    run = Run(run_dir)
+    _, ids = heldout_tokens(ShardSet(shards_2x2), run.config.eval.max_tokens_per_doc)
+    expected = sum(max(0, len(x) - 32) for x in ids)
+    assert all(m["tokens"] == expected for m in report["methods"].values())
+    # the summed NLL is exactly that of positions >= 32 computed by brute force
+    model, seq_len = run.path_model("0-0").model, run.config.model.max_seq_len
+    docs = [x for x in ids if len(x) > 40][:3]
+    got = document_nll(model, docs, context=32, seq_len=seq_len, batch_size=2)
+    for x, (s, n) in zip(docs, got):
+        brute = _per_position_nll(model, x, seq_len)
+        assert n == len(x) - 32 and s == pytest.approx(brute[32:].sum(), rel=1e-5)
+
+
+def test_route_every_w_at_least_doc_length_equals_once_per_doc(report):
+    once, wide = report["methods"]["dipaco"], report["methods"]["dipaco every-1000000"]
+    assert wide["nll_sum"] == once["nll_sum"] and wide["perplexity"] == once["perplexity"]
+    assert wide["per_path"] == once["per_path"]
+
+
+def test_route_every_w_uses_previous_window_and_full_context(run_dir, shards_2x2, report):
+    run, shards = Run(run_dir), ShardSet(shards_2x2)
+    _, ids = heldout_tokens(shards, run.config.eval.max_tokens_per_doc)
+    ids = [max(ids, key=len)]
+    assert len(ids[0]) > 100
+
+    class Recorder:  # a router that records what it sees and answers by text length
+        seen = []
+
+        def route(self, texts):
+            self.seen += texts
+            return [run.grid.paths[len(t) % 4] for t in texts]
+
+    tok = shards.tokenizer()
+    rec = Recorder()
+    segs = every_w_segments(rec, tok, ids, context=32, w=16, r=run.latest())
+    lo0 = 32
+    assert [s[:2] for s in segs[0]] == [(lo, min(lo + 16, len(ids[0]))) for lo in range(lo0, len(ids[0]), 16)]
+    assert rec.seen[0] == tok.decode(ids[0][:32]) and rec.seen[1] == tok.decode(ids[0][32:48])
+    # every chunk is scored by its path with the tokens before it in the window as context
+    scorer = Scorer(run, ids, batch_size=4, progress=False)
+    per_doc, _ = scorer.score(segs)
+    models = {p: run.path_model(p).model for p in run.grid.paths}
+    seq_len = run.config.model.max_seq_len
+    brute = {p: _per_position_nll(m, ids[0], seq_len) for p, m in models.items()}
+    assert len({mix[0][0] for _, _, mix in segs[0]}) > 1  # the chunks really switch paths
+    want = sum(brute[mix[0][0]][lo:hi].sum() for lo, hi, mix in segs[0])
+    assert per_doc[0][0] == pytest.approx(want, rel=1e-5)
+    w16 = report["methods"]["dipaco every-16"]
+    assert w16["tokens"] == report["methods"]["dipaco"]["tokens"] and math.isfinite(w16["perplexity"])
+
+
+def test_oracle_below_routed_below_random(report):
+    m = report["methods"]
+    oracle, routed, random = (m[k]["perplexity"] for k in ("dipaco oracle", "dipaco", "dipaco random"))
+    assert oracle <= routed <= random, (oracle, routed, random)
+    assert routed < 0.95 * random  # private paths on domain shards: the router clearly helps
+    labels = m["dipaco"]["per_label"]  # per-domain rows, same tokens in total
+    assert len(labels) >= 2 and sum(v["tokens"] for v in labels.values()) == m["dipaco"]["tokens"]
+    assert m["dipaco mixture-2"]["tokens"] == m["dipaco"]["tokens"]
+
+
+def test_mixture_weights_are_cbtm_softmax():
+    w = mixture_weights([("a", 0.2), ("b", 0.3)], 0.1)
+    assert [p for p, _ in w] == ["a", "b"]
+    assert w[0][1] == pytest.approx(1 / (1 + math.exp(-1.0)))
+    with pytest.raises(DipacoError):
+        mixture_weights([("a", 0.2)], 0.0)
+
+
+def test_early_stopping_picks_lowest_val_loss_round(run_dir, shards_2x2, tmp_path):
+    run_copy = tmp_path / "run"
+    shutil.copytree(run_dir, run_copy)
+    losses = {1: {"0-0": 3.0, "0-1": 2.0, "1-0": 5.0, "1-1": 1.0},
+              2: {"0-0": 2.5, "0-1": 2.2, "1-0": 4.0, "1-1": 1.0}}
+    with open(run_copy / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"kind": "inner", "round": 1, "loss": 9.0}) + "\n")
+        for r, v in losses.items():
+            f.write(json.dumps({"kind": "round", "round": r, "val_loss": v}) + "\n")
+    assert early_stopping_rounds(Run(run_copy)) == {"0-0": 2, "0-1": 1, "1-0": 2, "1-1": 1}  # ties: earliest
+    rep = evaluate({"d": run_copy}, shards_2x2, progress=False, early_stopping=True)
+    row = rep["methods"]["d early-stop"]
+    assert row["rounds"] == rep["early_stopping"]["d"] == {"0-0": 2, "0-1": 1, "1-0": 2, "1-1": 1}
+    assert row["tokens"] == rep["methods"]["d"]["tokens"]
+    assert set(rep["rounds_curve"]["d"]) == {"1", "2"}
+
+
+def test_bad_inputs_are_dipaco_errors(run_dir, shards_2x2):
+    with pytest.raises(DipacoError, match="dense"):
+        evaluate({"a": run_dir}, shards_2x2, progress=False, baseline=run_dir)
+    with pytest.raises(DipacoError, match="round 99"):
+        evaluate({"a": run_dir}, shards_2x2, round=99, progress=False)
+    with pytest.raises(DipacoError, match="route-every"):
+        evaluate({"a": run_dir}, shards_2x2, progress=False, route_every=[0])
+
+
+def test_eval_cli_report_with_baseline_and_plots(run_dir, shards_2x2, tmp_path_factory, tmp_path, capsys):
+    from dipaco.cli import main
+
+    from eval_helpers import trained_run
+
+    dense = trained_run(tmp_path_factory, shards_2x2, 'grid.shape="1"', "eval.max_tokens_per_doc=256",
+                        rounds=1, inner_steps=4)
+    out = tmp_path / "rep" / "report.json"
+    assert main(["eval", "--run", f"dipaco={run_dir}", "--baseline", str(dense), "--shards", str(shards_2x2),
+                 "--out", str(out), "--route-every", "32", "--early-stopping", "--mixture", "2", "--quiet"]) == 0
+    rep = json.loads(out.read_text())
+    names = set(rep["methods"])
+    assert names == {"dipaco", "dipaco every-32", "dipaco early-stop", "dipaco mixture-2", "dipaco random",
+                     "dipaco oracle", "dense baseline"}
+    assert len({m["tokens"] for m in rep["methods"].values()}) == 1  # every row on the same tokens
+    assert rep["methods"]["dense baseline"]["per_path"].keys() == {"0"}
+    for f in ("report.md", "report.png", "report_rounds.png", "report_paths.png"):
+        assert (out.parent / f).stat().st_size > 0, f
+    assert "| dense baseline |" in capsys.readouterr().out
+    assert main(["eval", "--run", str(run_dir), "--shards", str(shards_2x2), "--out", str(tmp_path / "r.json"),
+                 "--baseline", str(run_dir), "--quiet"]) == 2
