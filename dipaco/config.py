@@ -315,7 +315,7 @@ def resolve(cls, file: str | Path | None = None, overrides: list[str] = (), flag
     cfg = cls()
     if "preset" in _fields(cfg):
         preset = flags.get("preset") or _last_preset(file_values, override_values) or cfg.preset
-        if preset not in PRESETS:
+        if not isinstance(preset, str) or preset not in PRESETS:
             raise DipacoError(f"config: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
         apply_dict(cfg, PRESETS[preset])
         cfg.preset = preset

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# Tiny models are dominated by per-op overhead; one intra-op thread per process is several times faster
+# than two spinning threads, and multi-process tests would otherwise oversubscribe the cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import json
 from pathlib import Path
 
