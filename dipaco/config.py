@@ -50,8 +50,9 @@ class DataConfig:
 class TokenizerConfig:
     vocab_size: int = 8192
     """Vocabulary size of the byte-level BPE tokenizer trained when no --tokenizer is given."""
-    train_chars: int = 20_000_000
-    """At most this many characters (a deterministic sample) train the tokenizer."""
+    train_chars: int = 8_000_000
+    """At most this many characters train the tokenizer: a seeded sample of training documents, each cut
+    to 16k characters (BPE merges settle long before; more only costs time)."""
 
 
 @dataclass
@@ -70,8 +71,9 @@ class RoutingConfig:
     """'lm' / 'encoder': tokens of the document prefix the feature model reads (paper: 32)."""
     feature_batch_size: int = 32
     """'lm' / 'encoder': documents per forward pass."""
-    prefix_chars: int = 2048
-    """Routing looks only at the first this-many characters of a document."""
+    prefix_chars: int = 1024
+    """Routing looks only at the first this-many characters of a document (tf-idf features). 1024 is
+    about the paper's routing context and separates the shared corpus's domains better than 2048."""
     max_tfidf_features: int = 50_000
     """Vocabulary cap of the tf-idf vectorizer."""
     svd_dims: int = 64
@@ -80,6 +82,9 @@ class RoutingConfig:
     """Documents (a seeded sample) used to fit features and k-means."""
     kmeans_iters: int = 25
     """Lloyd iterations of faiss k-means."""
+    kmeans_restarts: int = 8
+    """Seeded k-means runs per level; the one with the lowest objective is kept (one run can land in a poor
+    local optimum, e.g. splitting the largest domain and merging two small ones)."""
     spherical: bool = False
     """Spherical k-means: centroids re-normalised to unit length (cosine geometry)."""
     batch_size: int = 1024
@@ -384,7 +389,7 @@ def validate(cfg) -> None:
         if r.features != "tfidf" and not r.feature_model:
             raise DipacoError(f"config: routing.features={r.features!r} needs a model; pass --feature-model DIR "
                               f"(a local Hugging Face {'causal LM' if r.features == 'lm' else 'encoder'} directory)")
-        for key in ("prefix_chars", "prefix_tokens", "feature_batch_size", "fit_sample", "kmeans_iters", "batch_size",
+        for key in ("prefix_chars", "prefix_tokens", "feature_batch_size", "fit_sample", "kmeans_iters", "kmeans_restarts", "batch_size",
                     "overlap", "max_tfidf_features"):
             positive(f"routing.{key}", getattr(r, key))
         fraction("data.router_fraction", d.router_fraction)

@@ -8,14 +8,16 @@ import numpy as np
 from dipaco.errors import DipacoError
 
 
-def fit_kmeans(x: np.ndarray, k: int, iters: int = 25, seed: int = 0, spherical: bool = False) -> np.ndarray:
-    """Centroids (k, d) fitted on every row of ``x`` (callers pass a sample)."""
+def fit_kmeans(x: np.ndarray, k: int, iters: int = 25, seed: int = 0, spherical: bool = False,
+               restarts: int = 1) -> np.ndarray:
+    """Centroids (k, d) fitted on every row of ``x`` (callers pass a sample); with ``restarts`` > 1 the
+    best of that many seeded runs (lowest objective) is kept."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if len(x) < k:
         raise DipacoError(f"{len(x)} documents cannot fill {k} clusters; use a smaller grid or more documents")
     if k == 1:
         return x.mean(axis=0, keepdims=True)
-    km = faiss.Kmeans(x.shape[1], k, niter=iters, seed=seed, spherical=spherical, verbose=False,
+    km = faiss.Kmeans(x.shape[1], k, niter=iters, seed=seed, spherical=spherical, verbose=False, nredo=max(1, restarts),
                       min_points_per_centroid=1, max_points_per_centroid=max(1, len(x) // k + 1))
     km.train(x)
     return np.ascontiguousarray(km.centroids, dtype=np.float32)

@@ -99,11 +99,11 @@ class Router(BaseRouter):
         self.bias = None if bias is None else np.asarray(bias, dtype=np.float32)
 
     @classmethod
-    def fit(cls, texts: list[str], grid: str, features: str = "tfidf", prefix_chars: int = 2048,
+    def fit(cls, texts: list[str], grid: str, features: str = "tfidf", prefix_chars: int = 1024,
             max_tfidf_features: int = 50_000, svd_dims: int = 64, kmeans_iters: int = 25,
             product_split: str = "interleaved", seed: int = 0, spherical: bool = False, balance: float = 0.0,
             feature_model: str | None = None, prefix_tokens: int = 32, feature_batch_size: int = 32,
-            copy_feature_model: bool = True, progress: bool = False) -> "Router":
+            copy_feature_model: bool = True, progress: bool = False, kmeans_restarts: int = 8) -> "Router":
         """Fit features and (product) k-means on ``texts`` (a sample); with ``balance`` calibrate the path offsets."""
         shape = parse_grid(grid)
         texts = _check_texts(texts)
@@ -112,14 +112,14 @@ class Router(BaseRouter):
         feats.progress = progress
         feats.fit(texts)
         x = feats.transform(texts)
-        return cls.fit_features(feats, x, shape, kmeans_iters, product_split, seed, spherical, balance)
+        return cls.fit_features(feats, x, shape, kmeans_iters, product_split, seed, spherical, balance, kmeans_restarts)
 
     @classmethod
     def fit_features(cls, feats, x: np.ndarray, shape: tuple[int, ...], kmeans_iters: int = 25,
                      product_split: str = "interleaved", seed: int = 0, spherical: bool = False,
-                     balance: float = 0.0) -> "Router":
+                     balance: float = 0.0, kmeans_restarts: int = 1) -> "Router":
         dims = split_dims(x.shape[1], len(shape), product_split)
-        centroids = [fit_kmeans(x[:, d], k, kmeans_iters, seed + level, spherical)
+        centroids = [fit_kmeans(x[:, d], k, kmeans_iters, seed + level, spherical, kmeans_restarts)
                      for level, (d, k) in enumerate(zip(dims, shape))]
         router = cls(feats, shape, centroids, dims, product_split, spherical)
         if balance > 0:

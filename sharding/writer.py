@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -223,7 +224,7 @@ def fit_router(sample_texts: list[str], cfg: ShardConfig, progress: bool) -> Rou
     r = cfg.routing
     return Router.fit(sample_texts, cfg.grid, r.features, r.prefix_chars, r.max_tfidf_features, r.svd_dims,
                       r.kmeans_iters, r.product_split, cfg.seed, r.spherical, r.balance, r.feature_model or None,
-                      r.prefix_tokens, r.feature_batch_size, r.copy_feature_model, progress)
+                      r.prefix_tokens, r.feature_batch_size, r.copy_feature_model, progress, r.kmeans_restarts)
 
 
 def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: str | None = None,
@@ -270,6 +271,16 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
         filt = DocumentFilter(d.min_chars, d.max_chars, dedup=False)  # roles already hold the dedup decision
         bar = tqdm(total=len(roles), desc="route+tokenize+write", unit="doc", disable=not progress, dynamic_ncols=True)
         batch: list[tuple[str, str | None, int]] = []
+        # Tokenizing batch k (Rust, releases the GIL) overlaps with routing batch k+1 (features in Python);
+        # batches are written strictly in order, so the output does not depend on timing.
+        pool = ThreadPoolExecutor(max_workers=1)
+        pending: list = []
+
+        def write_pending():
+            if pending:
+                future, rows = pending.pop()
+                for tokens, (targets, split, label) in zip(future.result(), rows):
+                    writer.write(tokens, targets, split, label)
 
         def flush():
             texts = [t for t, _, _ in batch]
@@ -284,9 +295,11 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
             if train_rows:
                 is_val = [val_draw() < d.val_fraction for _ in train_rows]
                 chosen = assigner.assign(x[train_rows], is_val)
-                ids = encode(tok, [texts[i] for i in train_rows])
-                for i, val, targets, tokens in zip(train_rows, is_val, chosen, ids):
-                    writer.write(tokens, [paths[j] for j in targets], "val" if val else "train", batch[i][1])
+                future = pool.submit(encode, tok, [texts[i] for i in train_rows])
+                rows = [([paths[j] for j in targets], "val" if val else "train", batch[i][1])
+                        for i, val, targets in zip(train_rows, is_val, chosen)]
+                write_pending()
+                pending.append((future, rows))
             bar.update(len(batch))
             batch.clear()
 
@@ -301,7 +314,9 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
                     flush()
             if batch:
                 flush()
+            write_pending()
         finally:
+            pool.shutdown(wait=True)
             bar.close()
             writer.close()
             heldout_fh.close()
