@@ -52,7 +52,7 @@ class TokenizerConfig:
     """Vocabulary size of the byte-level BPE tokenizer trained when no --tokenizer is given."""
     train_chars: int = 8_000_000
     """At most this many characters train the tokenizer: a seeded sample of training documents, each cut
-    to 16k characters (BPE merges settle long before; more only costs time)."""
+    to 4096 characters (BPE merges settle long before; more only costs time)."""
 
 
 @dataclass

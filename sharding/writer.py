@@ -38,14 +38,17 @@ from dipaco.shards import FORMAT, FORMAT_VERSION
 from dipaco.sharding.sources import DocumentFilter, describe_inputs, iter_rows
 from dipaco.sharding.tokenizer import encode, load_tokenizer, train_tokenizer
 
-SAMPLE_CHARS = 16_384  # a sampled document keeps this many characters (tokenizer training, router fit)
+SAMPLE_CHARS = 4096  # a sampled document keeps this many characters (tokenizer training, router fit)
 DROPPED, TRAIN, HELDOUT, ROUTER = 0, 1, 2, 3
 
 
 def set_num_proc(num_proc: int) -> int:
     """Threads for the tokenizer's Rust pool (read once, at its first use in a process) and for torch."""
     n = num_proc or os.cpu_count() or 1
-    os.environ.setdefault("RAYON_NUM_THREADS", str(n))
+    if num_proc:
+        os.environ["RAYON_NUM_THREADS"] = str(n)
+    else:
+        os.environ.setdefault("RAYON_NUM_THREADS", str(n))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     try:
         import torch
