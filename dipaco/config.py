@@ -82,7 +82,7 @@ class RoutingConfig:
     """Documents (a seeded sample) used to fit features and k-means."""
     kmeans_iters: int = 25
     """Lloyd iterations of faiss k-means."""
-    kmeans_restarts: int = 8
+    kmeans_restarts: int = 16
     """Seeded k-means runs per level; the one with the lowest objective is kept (one run can land in a poor
     local optimum, e.g. splitting the largest domain and merging two small ones)."""
     spherical: bool = False

@@ -103,7 +103,7 @@ class Router(BaseRouter):
             max_tfidf_features: int = 50_000, svd_dims: int = 64, kmeans_iters: int = 25,
             product_split: str = "interleaved", seed: int = 0, spherical: bool = False, balance: float = 0.0,
             feature_model: str | None = None, prefix_tokens: int = 32, feature_batch_size: int = 32,
-            copy_feature_model: bool = True, progress: bool = False, kmeans_restarts: int = 8) -> "Router":
+            copy_feature_model: bool = True, progress: bool = False, kmeans_restarts: int = 16) -> "Router":
         """Fit features and (product) k-means on ``texts`` (a sample); with ``balance`` calibrate the path offsets."""
         shape = parse_grid(grid)
         texts = _check_texts(texts)
