@@ -24,7 +24,7 @@ def cmd_shard(args) -> None:
         "data.min_chars": args.min_chars, "data.max_chars": args.max_chars, "data.split": args.split,
         "tokenizer.vocab_size": args.vocab_size, "routing.balance": args.balance, "routing.overlap": args.overlap,
         "routing.features": args.features, "routing.feature_model": args.feature_model,
-        "routing.spherical": True if args.spherical else None, "routing.fit_sample": args.fit_sample})
+        "routing.spherical": args.spherical, "routing.fit_sample": args.fit_sample})
     manifest = shard(args.data, cfg, args.out, args.tokenizer, args.overwrite, progress=not args.quiet)
     print(f"wrote {args.out} in {manifest['seconds']:.1f} s: {manifest['train_documents']} training, "
           f"{manifest['heldout_documents']} held-out and {manifest['router_documents']} router documents on grid "
@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-chars", type=int, help="cut documents longer than this (default 1000000)")
     p.add_argument("--features", choices=["tfidf", "lm", "encoder"], help="routing features of the prefix (default tfidf)")
     p.add_argument("--feature-model", metavar="DIR", help="local Hugging Face causal LM (lm) or encoder (encoder) directory")
-    p.add_argument("--spherical", action="store_true", help="spherical k-means")
+    p.add_argument("--spherical", action=argparse.BooleanOptionalAction, default=None,
+                   help="spherical k-means (default on; --no-spherical for plain k-means)")
     p.add_argument("--fit-sample", type=int, help="documents sampled to fit the tokenizer and router (default 20000)")
     p.add_argument("--balance", type=float, help="cap every path at F x the mean share of documents (e.g. 1.2); 0 = off")
     p.add_argument("--overlap", type=int, help="training documents go to their n nearest paths (paper: 2); default 1")

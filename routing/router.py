@@ -101,7 +101,7 @@ class Router(BaseRouter):
     @classmethod
     def fit(cls, texts: list[str], grid: str, features: str = "tfidf", prefix_chars: int = 1024,
             max_tfidf_features: int = 50_000, svd_dims: int = 64, kmeans_iters: int = 25,
-            product_split: str = "interleaved", seed: int = 0, spherical: bool = False, balance: float = 0.0,
+            product_split: str = "interleaved", seed: int = 0, spherical: bool = True, balance: float = 0.0,
             feature_model: str | None = None, prefix_tokens: int = 32, feature_batch_size: int = 32,
             copy_feature_model: bool = True, progress: bool = False, kmeans_restarts: int = 16) -> "Router":
         """Fit features and (product) k-means on ``texts`` (a sample); with ``balance`` calibrate the path offsets."""
@@ -116,7 +116,7 @@ class Router(BaseRouter):
 
     @classmethod
     def fit_features(cls, feats, x: np.ndarray, shape: tuple[int, ...], kmeans_iters: int = 25,
-                     product_split: str = "interleaved", seed: int = 0, spherical: bool = False,
+                     product_split: str = "interleaved", seed: int = 0, spherical: bool = True,
                      balance: float = 0.0, kmeans_restarts: int = 1) -> "Router":
         dims = split_dims(x.shape[1], len(shape), product_split)
         centroids = [fit_kmeans(x[:, d], k, kmeans_iters, seed + level, spherical, kmeans_restarts)
