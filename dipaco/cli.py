@@ -20,20 +20,65 @@ def cmd_shard(args) -> None:
     from dipaco.sharding.writer import purity, shard
 
     cfg = resolve(ShardConfig, args.config, args.overrides, {
-        "grid": args.grid, "seed": args.seed, "data.text_column": args.text_column,
-        "tokenizer.vocab_size": args.vocab_size, "routing.balance": args.balance})
+        "grid": args.grid, "seed": args.seed, "num_proc": args.num_proc, "data.text_column": args.text_column,
+        "data.min_chars": args.min_chars, "data.max_chars": args.max_chars, "data.split": args.split,
+        "tokenizer.vocab_size": args.vocab_size, "routing.balance": args.balance, "routing.overlap": args.overlap,
+        "routing.features": args.features, "routing.feature_model": args.feature_model,
+        "routing.spherical": args.spherical, "routing.fit_sample": args.fit_sample})
     manifest = shard(args.data, cfg, args.out, args.tokenizer, args.overwrite, progress=not args.quiet)
-    print(f"wrote {args.out}: {manifest['train_documents']} training and {manifest['heldout_documents']} held-out documents "
-          f"on grid {manifest['grid']}, vocabulary {manifest['vocab_size']}; dropped {manifest['dropped']}")
-    print("| path | train docs | train tokens | val docs | val tokens | top label |")
-    print("| --- | ---: | ---: | ---: | ---: | --- |")
-    for p, s in manifest["paths"].items():
-        labels = manifest["labels_per_path"][p]
-        top = max(labels, key=labels.get) if labels else "-"
-        print(f"| {p} | {s['train_docs']} | {s['train_tokens']} | {s['val_docs']} | {s['val_tokens']} | {top} |")
+    print(f"wrote {args.out} in {manifest['seconds']:.1f} s: {manifest['train_documents']} training, "
+          f"{manifest['heldout_documents']} held-out and {manifest['router_documents']} router documents on grid "
+          f"{manifest['grid']}, vocabulary {manifest['vocab_size']}; dropped {manifest['dropped']}, "
+          f"truncated {manifest['truncated']}")
+    print_paths(manifest)
     pur = purity(manifest["labels_per_path"])["overall"]
     if pur is not None:
         print(f"label purity of the paths: {pur:.3f}")
+
+
+def print_paths(manifest: dict) -> None:
+    """The per-path table with a text histogram of path sizes (printed with or without --balance)."""
+    sizes = {p: s["train_docs"] + s["val_docs"] for p, s in manifest["paths"].items()}
+    biggest = max(sizes.values()) or 1
+    print("| path | train docs | train tokens | val docs | val tokens | top label | size |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | --- |")
+    for p, s in manifest["paths"].items():
+        labels = manifest["labels_per_path"].get(p) or {}
+        top = max(labels, key=labels.get) if labels else "-"
+        bar = "#" * max(1 if sizes[p] else 0, round(30 * sizes[p] / biggest))
+        print(f"| {p} | {s['train_docs']} | {s['train_tokens']} | {s['val_docs']} | {s['val_tokens']} | {top} | {bar} |")
+    h = manifest.get("path_sizes") or {}
+    a = manifest.get("assignment") or {}
+    if h:
+        print(f"path sizes (documents): min {h['min']}, max {h['max']}, mean {h['mean']}, max/mean {h['max_over_mean']}, "
+              f"cv {h['cv']}" + (f"; balance {a['balance']}: cap {a['capacity']}, {a['spilled']} spilled" if a.get("capacity") else "")
+              + (f"; overlap {a['overlap']}: {a['overlap_copies']} extra copies" if a.get("overlap", 1) > 1 else ""))
+
+
+def cmd_reshard(args) -> None:
+    from dipaco.sharding.reshard import reshard
+
+    report = reshard(args.run, args.shards, args.out, target=args.target, holdout_fraction=args.holdout_fraction,
+                     max_tokens=args.max_tokens, seed=args.seed, at_round=args.round, overwrite=args.overwrite,
+                     progress=not args.quiet)
+    print(f"wrote {args.out}: {report['moved_share']:.1%} of {report['documents']} documents moved to another path")
+    print(f"router accuracy against the loss labels on {report['test_documents']} held-out router documents: "
+          f"discriminative {report['accuracy']:.3f}, k-means {report['kmeans_accuracy']:.3f}; "
+          f"mean loss of the chosen path {report['mean_loss_assigned_discriminative']:.4f} vs k-means "
+          f"{report['mean_loss_assigned_kmeans']:.4f} (oracle {report['mean_loss_oracle']:.4f})")
+
+
+def cmd_inspect(args) -> None:
+    from pathlib import Path
+
+    from dipaco.sharding.inspect_shards import format_summary, inspect
+
+    png = args.png or f"{Path(args.shards).resolve().name}-paths.png"
+    summary = inspect(args.shards, png, args.terms)
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(format_summary(summary))
 
 
 def cmd_train(args) -> None:
@@ -140,7 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="shard directory to create")
     p.add_argument("--grid", help="modules per level: 2x2, 4, 1 (default 2x2)")
     p.add_argument("--text-column", help="column holding the text (default 'text')")
+    p.add_argument("--split", help="split of a hub dataset (default 'train')")
+    p.add_argument("--min-chars", type=int, help="drop documents shorter than this (default 64)")
+    p.add_argument("--max-chars", type=int, help="cut documents longer than this (default 1000000)")
+    p.add_argument("--features", choices=["tfidf", "lm", "encoder"], help="routing features of the prefix (default tfidf)")
+    p.add_argument("--feature-model", metavar="DIR", help="local Hugging Face causal LM (lm) or encoder (encoder) directory")
+    p.add_argument("--spherical", action=argparse.BooleanOptionalAction, default=None,
+                   help="spherical k-means (default on; --no-spherical for plain k-means)")
+    p.add_argument("--fit-sample", type=int, help="documents sampled to fit the tokenizer and router (default 20000)")
     p.add_argument("--balance", type=float, help="cap every path at F x the mean share of documents (e.g. 1.2); 0 = off")
+    p.add_argument("--overlap", type=int, help="training documents go to their n nearest paths (paper: 2); default 1")
+    p.add_argument("--num-proc", type=int, help="tokenizer/feature threads (default: all cores)")
     p.add_argument("--tokenizer", help="use this Hugging Face tokenizer directory instead of training one")
     p.add_argument("--vocab-size", type=int, help="vocabulary of the trained tokenizer")
     p.add_argument("--seed", type=int)
@@ -212,6 +267,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", help="shard directory for the tokenizer; default: the run's own")
     p.add_argument("--overwrite", action="store_true", help="replace --out once the new export is complete")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("reshard", help="discriminative re-sharding from a trained run's per-path losses")
+    p.add_argument("--run", required=True, help="run directory trained on --shards")
+    p.add_argument("--shards", required=True, help="the shard directory the run was trained on")
+    p.add_argument("--out", required=True, help="new shard directory to create")
+    p.add_argument("--target", default="current", choices=["current", "uniform"],
+                   help="path distribution the router's bias keeps: the current shard sizes or uniform")
+    p.add_argument("--holdout-fraction", type=float, default=0.2, help="router documents kept to measure accuracy")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens of each router document scored")
+    p.add_argument("--round", type=int, help="score with this round instead of the latest")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace --out once the new shards are complete")
+    p.set_defaults(func=cmd_reshard)
+
+    p = sub.add_parser("inspect", help="per-path summary of a shard directory and a PNG of path sizes")
+    p.add_argument("shards", help="shard directory")
+    p.add_argument("--png", help="where to write the plot (default ./<shards name>-paths.png)")
+    p.add_argument("--terms", type=int, default=8, help="top terms per path (tf-idf routers)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("quickstart", help="the whole pipeline on an embedded default corpus, offline")
     p.add_argument("--out", default="dipaco-quickstart", help="output directory (re-running continues there)")

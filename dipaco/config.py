@@ -33,22 +33,47 @@ class DataConfig:
     """Cap on held-out documents."""
     val_fraction: float = 0.05
     """Share of each path's training documents written to its validation file."""
+    router_fraction: float = 0.005
+    """Share of documents held aside (never trained on) as router documents for discriminative
+    re-sharding (`dipaco reshard`); the paper keeps 0.5%. Written whole to router_docs/docs.jsonl."""
+    max_router_docs: int = 5000
+    """Cap on router documents."""
+    min_router_docs: int = 0
+    """Hold aside at least this many router documents (when the corpus is small and the fraction gives few)."""
+    dedup: bool = True
+    """Drop exact duplicates (same text after stripping, by a 128-bit hash)."""
+    split: str = "train"
+    """Split of a hub dataset given as input (local files are read whole)."""
 
 
 @dataclass
 class TokenizerConfig:
     vocab_size: int = 8192
     """Vocabulary size of the byte-level BPE tokenizer trained when no --tokenizer is given."""
-    train_chars: int = 20_000_000
-    """At most this many characters (a deterministic sample) train the tokenizer."""
+    train_chars: int = 8_000_000
+    """At most this many characters train the tokenizer: a seeded sample of training documents, each cut
+    to 4096 characters (BPE merges settle long before; more only costs time)."""
 
 
 @dataclass
 class RoutingConfig:
     features: str = "tfidf"
-    """Prefix features: 'tfidf' (tf-idf + truncated SVD, c-BTM style)."""
-    prefix_chars: int = 2048
-    """Routing looks only at the first this-many characters of a document."""
+    """Prefix features: 'tfidf' (tf-idf + truncated SVD, c-BTM style), 'lm' (mean of the last hidden
+    layer of a local causal LM over the first prefix_tokens tokens, the paper's) or 'encoder' (mean-pooled
+    local Hugging Face encoder)."""
+    feature_model: str = ""
+    """Local Hugging Face model directory for 'lm' / 'encoder' features (weights as safetensors, with
+    its tokenizer)."""
+    copy_feature_model: bool = True
+    """Freeze a copy of the feature model inside the router (routing needs nothing else); false stores
+    only its path and content hash, checked whenever the router is loaded."""
+    prefix_tokens: int = 32
+    """'lm' / 'encoder': tokens of the document prefix the feature model reads (paper: 32)."""
+    feature_batch_size: int = 32
+    """'lm' / 'encoder': documents per forward pass."""
+    prefix_chars: int = 1024
+    """Routing looks only at the first this-many characters of a document (tf-idf features). 1024 is
+    about the paper's routing context and separates the shared corpus's domains better than 2048."""
     max_tfidf_features: int = 50_000
     """Vocabulary cap of the tf-idf vectorizer."""
     svd_dims: int = 64
@@ -57,6 +82,17 @@ class RoutingConfig:
     """Documents (a seeded sample) used to fit features and k-means."""
     kmeans_iters: int = 25
     """Lloyd iterations of faiss k-means."""
+    kmeans_restarts: int = 16
+    """Seeded k-means runs per level; the one with the lowest objective is kept (one run can land in a poor
+    local optimum, e.g. splitting the largest domain and merging two small ones)."""
+    spherical: bool = True
+    """Spherical k-means: centroids re-normalised to unit length (cosine geometry, which suits the
+    L2-normalised features; on the shared corpus it separates the domains more reliably)."""
+    batch_size: int = 1024
+    """Documents routed, tokenized and appended per batch while streaming the corpus."""
+    overlap: int = 1
+    """Paths a training document goes to: 1 = its nearest only; n > 1 = its n nearest paths (paper: 2
+    in the 16x16 model). Validation, held-out and router documents always go to one path."""
     balance: float = 0.0
     """If > 0, no path receives more than this many times the mean share of training documents
     (overflow spills to the next-nearest path); 0 routes every document to its nearest path."""
@@ -71,6 +107,8 @@ class ShardConfig:
     """Modules per level: '2x2' = two levels of two modules (4 paths), '5' = flat, '1' = one path."""
     seed: int = 0
     """Seed for splits, samples and k-means."""
+    num_proc: int = 0
+    """Threads for tokenization (the tokenizer's Rust pool) and torch features; 0 = all cores."""
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -395,8 +433,27 @@ def validate(cfg) -> None:
         if cfg.tokenizer.vocab_size < 300:
             raise DipacoError("config: 'tokenizer.vocab_size' must be >= 300 (256 bytes + merges + special tokens)")
         positive("routing.svd_dims", cfg.routing.svd_dims)
-        if cfg.routing.features != "tfidf":
-            raise DipacoError(f"config: 'routing.features' must be 'tfidf' in this version, got {cfg.routing.features!r}")
+        r, d = cfg.routing, cfg.data
+        if r.features not in ("tfidf", "lm", "encoder"):
+            raise DipacoError(f"config: 'routing.features' must be 'tfidf', 'lm' or 'encoder', got {r.features!r}")
+        if r.features != "tfidf" and not r.feature_model:
+            raise DipacoError(f"config: routing.features={r.features!r} needs a model; pass --feature-model DIR "
+                              f"(a local Hugging Face {'causal LM' if r.features == 'lm' else 'encoder'} directory)")
+        for key in ("prefix_chars", "prefix_tokens", "feature_batch_size", "fit_sample", "kmeans_iters", "kmeans_restarts", "batch_size",
+                    "overlap", "max_tfidf_features"):
+            positive(f"routing.{key}", getattr(r, key))
+        fraction("data.router_fraction", d.router_fraction)
+        if d.heldout_fraction + d.router_fraction + d.val_fraction >= 1.0:
+            raise DipacoError("config: data.heldout_fraction + data.router_fraction + data.val_fraction must be < 1")
+        for key in ("max_router_docs", "min_router_docs", "max_heldout_docs"):
+            if getattr(d, key) < 0:
+                raise DipacoError(f"config: 'data.{key}' must be >= 0, got {getattr(d, key)}")
+        if d.min_chars < 0:
+            raise DipacoError(f"config: 'data.min_chars' must be >= 0, got {d.min_chars}")
+        if d.max_chars < max(1, d.min_chars):
+            raise DipacoError(f"config: 'data.max_chars' ({d.max_chars}) must be >= data.min_chars ({d.min_chars})")
+        if cfg.num_proc < 0:
+            raise DipacoError(f"config: 'num_proc' must be >= 0 (0 = all cores), got {cfg.num_proc}")
         if cfg.routing.balance and cfg.routing.balance < 1.0:
             raise DipacoError(f"config: 'routing.balance' must be 0 (off) or >= 1.0, got {cfg.routing.balance}")
         if cfg.routing.product_split not in ("interleaved", "contiguous"):

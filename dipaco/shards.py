@@ -8,7 +8,9 @@ Layout written by ``dipaco.sharding.writer``::
     paths/<id>/train.bin     flat token ids (manifest's token_dtype), documents separated by EOS
     paths/<id>/train.idx     int64 start offset of every document, plus the end
     paths/<id>/val.bin|idx   the same for the path's validation documents
-    heldout/docs.jsonl       whole held-out documents {"text", "label"} for routed evaluation
+    heldout/docs.jsonl       whole held-out documents {"text", "label", "path"} for routed evaluation
+    router_docs/docs.jsonl   whole router documents (never trained on) for discriminative re-sharding
+                             (optional: older shard directories lack it)
 """
 
 from __future__ import annotations

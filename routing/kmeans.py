@@ -8,14 +8,16 @@ import numpy as np
 from dipaco.errors import DipacoError
 
 
-def fit_kmeans(x: np.ndarray, k: int, iters: int = 25, seed: int = 0, spherical: bool = False) -> np.ndarray:
-    """Centroids (k, d) fitted on every row of ``x`` (callers pass a sample)."""
+def fit_kmeans(x: np.ndarray, k: int, iters: int = 25, seed: int = 0, spherical: bool = False,
+               restarts: int = 1) -> np.ndarray:
+    """Centroids (k, d) fitted on every row of ``x`` (callers pass a sample); with ``restarts`` > 1 the
+    best of that many seeded runs (lowest objective) is kept."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if len(x) < k:
         raise DipacoError(f"{len(x)} documents cannot fill {k} clusters; use a smaller grid or more documents")
     if k == 1:
         return x.mean(axis=0, keepdims=True)
-    km = faiss.Kmeans(x.shape[1], k, niter=iters, seed=seed, spherical=spherical, verbose=False,
+    km = faiss.Kmeans(x.shape[1], k, niter=iters, seed=seed, spherical=spherical, verbose=False, nredo=max(1, restarts),
                       min_points_per_centroid=1, max_points_per_centroid=max(1, len(x) // k + 1))
     km.train(x)
     return np.ascontiguousarray(km.centroids, dtype=np.float32)
@@ -65,3 +67,37 @@ def balanced_assignment(distances: np.ndarray, capacity_factor: float) -> np.nda
             if remaining == 0:
                 break
     return assignment
+
+
+def calibrate_bias(distances: np.ndarray, capacity_factor: float, iters: int = 500) -> np.ndarray:
+    """Per-cluster offsets b such that argmin(distances + b) puts no cluster above ``capacity_factor`` x the
+    mean share of these rows (a sample); the documents nearest a boundary move first.
+
+    Each step raises the offset of the most overloaded cluster just enough to push its excess to the
+    members' next-best clusters (an auction-like fixed point). Deterministic. Applied to new documents,
+    the offsets keep the expected shares under the cap without seeing the whole corpus.
+    """
+    d = np.asarray(distances, dtype=np.float64)
+    n, k = d.shape
+    bias = np.zeros(k)
+    if capacity_factor <= 0 or k == 1 or n == 0:
+        return bias.astype(np.float32)
+    capacity = int(np.floor(capacity_factor * n / k))
+    if capacity * k < n:
+        capacity = int(np.ceil(n / k))
+    for _ in range(iters):
+        biased = d + bias
+        a = biased.argmin(axis=1)
+        counts = np.bincount(a, minlength=k)
+        over = counts - capacity
+        if (over <= 0).all():
+            break
+        c = int(over.argmax())
+        members = np.flatnonzero(a == c)
+        others = biased[members].copy()
+        others[:, c] = np.inf
+        margin = others.min(axis=1) - biased[members, c]
+        excess = int(over[c])
+        step = np.partition(margin, excess - 1)[excess - 1]
+        bias[c] += step + 1e-6 * (1.0 + abs(step))
+    return bias.astype(np.float32)

@@ -1,15 +1,22 @@
-"""Corpus sources: local files or a hub dataset through `datasets`, filters, dedup, the default corpus."""
+"""Corpus sources, streamed: local JSON lines / parquet / CSV / text files (optionally .gz) or a hub
+dataset (through `datasets`, streaming); filters, exact dedup, and the local default corpus.
+
+Nothing here holds the corpus in memory: readers yield one record at a time.
+"""
 
 from __future__ import annotations
 
+import csv
 import glob
 import gzip
 import hashlib
 import json
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from dipaco.errors import DipacoError
 from dipaco.io import sha256_file
@@ -64,68 +71,189 @@ def expand_inputs(specs: list[str]) -> tuple[dict[str, list[Path]], list[str]]:
     return by_format, hub
 
 
-def _load(fmt_or_name: str, data_files=None, split: str = "train"):
+def _open_text(path: Path):
+    if path.suffix.lower() == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace", newline="")
+    return open(path, encoding="utf-8", errors="replace", newline="")
+
+
+def _missing_column(where, column: str, columns) -> DipacoError:
+    return DipacoError(f"{where} has no column {column!r} (columns: {', '.join(map(str, columns))}); "
+                       f"pass --text-column with the right name")
+
+
+def _rows_json(path: Path, column: str, label_column: str) -> Iterator[tuple[object, object]]:
+    with _open_text(path) as fh:
+        first = True
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            if first and line.lstrip().startswith("["):  # a .json file holding one array: read it whole
+                fh.seek(0)
+                try:
+                    rows = json.load(fh)
+                except json.JSONDecodeError as exc:
+                    raise DipacoError(f"cannot read {path} as JSON: {exc}; fix or remove the bad file") from None
+                for row in rows:
+                    if isinstance(row, dict):
+                        yield row.get(column), row.get(label_column)
+                return
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DipacoError(f"cannot read {path} line {number} as JSON ({exc.msg}); fix or remove the bad line") from None
+            if not isinstance(row, dict):
+                raise DipacoError(f"{path} line {number} is not a JSON object; each line needs one {{\"{column}\": ...}} record")
+            if first and column not in row:
+                raise _missing_column(path, column, row)
+            first = False
+            yield row.get(column), row.get(label_column)
+
+
+def _rows_csv(path: Path, column: str, label_column: str) -> Iterator[tuple[object, object]]:
+    csv.field_size_limit(sys.maxsize)
+    with _open_text(path) as fh:
+        reader = csv.DictReader(fh)
+        try:
+            if reader.fieldnames is None or column not in reader.fieldnames:
+                raise _missing_column(path, column, reader.fieldnames or [])
+            for row in reader:
+                yield row.get(column), row.get(label_column)
+        except csv.Error as exc:
+            raise DipacoError(f"cannot read {path} as CSV near line {reader.line_num} ({exc}); fix or remove the bad file") from None
+
+
+def _rows_parquet(path: Path, column: str, label_column: str, batch: int = 1024) -> Iterator[tuple[object, object]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several types for a damaged file
+        raise DipacoError(f"cannot read {path} as parquet ({str(exc).splitlines()[0][:200]}); fix or remove the bad file") from None
+    names = pf.schema_arrow.names
+    if column not in names:
+        raise _missing_column(path, column, names)
+    columns = [column] + ([label_column] if label_column in names and label_column != column else [])
+    for record_batch in pf.iter_batches(batch_size=batch, columns=columns):
+        texts = record_batch.column(0).to_pylist()
+        labels = record_batch.column(1).to_pylist() if len(columns) > 1 else [None] * len(texts)
+        yield from zip(texts, labels)
+
+
+def _rows_text(path: Path, column: str, label_column: str) -> Iterator[tuple[object, object]]:
+    """A text file is one document."""
+    raw = path.read_bytes()
+    if path.suffix.lower() == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as exc:
+            raise DipacoError(f"cannot decompress {path} ({exc}); fix or remove the bad file") from None
+    yield (raw.decode("utf-8", errors="replace") if b"\x00" not in raw else "\x00"), None
+
+
+_READERS = {"json": _rows_json, "csv": _rows_csv, "parquet": _rows_parquet, "text": _rows_text}
+
+
+def _rows_hub(name: str, split: str, column: str, label_column: str) -> Iterator[tuple[object, object]]:
     import datasets
-    from datasets.exceptions import DatasetGenerationError
 
     datasets.disable_progress_bars()
     try:
-        if data_files is None:
-            return datasets.load_dataset(fmt_or_name, split=split)
-        kwargs = {"sample_by": "document"} if fmt_or_name == "text" else {}
-        return datasets.load_dataset(fmt_or_name, data_files=[str(f) for f in data_files], split="train", **kwargs)
-    except DatasetGenerationError as exc:
-        cause = exc.__cause__ or exc
-        files = ", ".join(str(f) for f in (data_files or [fmt_or_name]))
-        raise DipacoError(f"cannot read {files} as {fmt_or_name}: {str(cause).splitlines()[0][:200]}; fix or remove the bad file") from None
-    except (FileNotFoundError, ConnectionError, ValueError) as exc:
-        raise DipacoError(f"cannot load {fmt_or_name}: {str(exc).splitlines()[0][:200]}") from None
+        stream = datasets.load_dataset(name, split=split, streaming=True)
+    except Exception as exc:  # datasets raises many types (offline, no such dataset, bad split)
+        raise DipacoError(f"cannot load hub dataset {name} split {split!r}: {str(exc).splitlines()[0][:200]}; "
+                          f"check the name and --split, or pass local files") from None
+    first = True
+    for row in stream:
+        if first and column not in row:
+            raise _missing_column(name, column, row)
+        first = False
+        yield row.get(column), row.get(label_column)
+
+
+def iter_rows(specs: list[str], text_column: str = "text", label_column: str = "domain",
+              split: str = "train") -> Iterator[tuple[object, object]]:
+    """(raw text value, raw label value) of every input record, streamed in input order."""
+    by_format, hub = expand_inputs(specs)
+    for fmt in by_format:
+        for f in by_format[fmt]:
+            yield from _READERS[fmt](f, text_column, label_column)
+    for name in hub:
+        yield from _rows_hub(name, split, text_column, label_column)
+
+
+def describe_inputs(specs: list[str], split: str = "train") -> list[dict]:
+    """Size and content hash of every input file (hub datasets: name and split)."""
+    by_format, hub = expand_inputs(specs)
+    out = [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)}
+           for fmt in by_format for f in by_format[fmt]]
+    return out + [{"dataset": name, "split": split} for name in hub]
+
+
+DROP_REASONS = ("missing_text", "binary", "too_short", "duplicate")
+
+
+class DocumentFilter:
+    """Cleans one raw text at a time: strip, drop binary/short/duplicate, cut long ones.
+
+    ``dropped`` counts documents dropped by reason; ``truncated`` counts kept documents that were cut.
+    Duplicates are found by a 128-bit hash of the cleaned text (16 bytes per kept document in memory).
+    """
+
+    def __init__(self, min_chars: int = 64, max_chars: int = 1_000_000, dedup: bool = True):
+        self.min_chars, self.max_chars, self.dedup = min_chars, max_chars, dedup
+        self.dropped = {r: 0 for r in DROP_REASONS}
+        self.truncated = 0
+        self._seen: set[bytes] = set()
+
+    def __call__(self, text) -> str | None:
+        if text is None:
+            self.dropped["missing_text"] += 1
+            return None
+        if not isinstance(text, str):
+            text = str(text)
+        text = text.strip()
+        if "\x00" in text:
+            self.dropped["binary"] += 1
+            return None
+        if len(text) < self.min_chars:
+            self.dropped["too_short"] += 1
+            return None
+        if len(text) > self.max_chars:
+            text = text[: self.max_chars]
+            self.truncated += 1
+        if self.dedup:
+            digest = hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=16).digest()
+            if digest in self._seen:
+                self.dropped["duplicate"] += 1
+                return None
+            self._seen.add(digest)
+        return text
+
+    def report(self) -> dict[str, int]:
+        return dict(self.dropped) | {"truncated": self.truncated}
+
+
+def iter_documents(specs: list[str], text_column: str = "text", label_column: str = "domain", min_chars: int = 64,
+                   max_chars: int = 1_000_000, split: str = "train", dedup: bool = True,
+                   filt: DocumentFilter | None = None) -> Iterator[Document]:
+    """Every usable document of the inputs, streamed in input order (pass ``filt`` to read its drop counts)."""
+    filt = filt or DocumentFilter(min_chars, max_chars, dedup)
+    for text, label in iter_rows(specs, text_column, label_column, split):
+        text = filt(text)
+        if text is not None:
+            yield Document(text, None if label is None else str(label))
 
 
 def read_corpus(specs: list[str], text_column: str = "text", label_column: str = "domain", min_chars: int = 64,
-                max_chars: int = 1_000_000, split: str = "train") -> Corpus:
-    """Every usable document of the inputs, in input order, with counts of what was dropped and why."""
-    by_format, hub = expand_inputs(specs)
-    corpus = Corpus([], {"too_short": 0, "binary": 0, "duplicate": 0, "truncated": 0})
-    seen: set[bytes] = set()
-    tables = [(fmt, files, _load(fmt, files)) for fmt, files in by_format.items()]
-    tables += [(name, [], _load(name, None, split)) for name in hub]
-    for fmt, files, table in tables:
-        column = "text" if fmt == "text" else text_column
-        if column not in table.column_names:
-            where = ", ".join(str(f) for f in files) or fmt
-            raise DipacoError(f"{where} has no column {column!r} (columns: {', '.join(table.column_names)}); "
-                              f"pass --text-column with the right name")
-        has_label = label_column in table.column_names
-        for f in files:
-            corpus.inputs.append({"path": str(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)})
-        if not files:
-            corpus.inputs.append({"dataset": fmt, "split": split, "fingerprint": getattr(table, "_fingerprint", None)})
-        for row in table.select_columns([column] + ([label_column] if has_label else [])):
-            text = row[column]
-            if not isinstance(text, str):
-                text = "" if text is None else str(text)
-            text = text.strip()
-            if "\x00" in text:
-                corpus.dropped["binary"] += 1
-                continue
-            if len(text) < min_chars:
-                corpus.dropped["too_short"] += 1
-                continue
-            if len(text) > max_chars:
-                text = text[:max_chars]
-                corpus.dropped["truncated"] += 1  # kept, but cut
-            digest = hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=16).digest()
-            if digest in seen:
-                corpus.dropped["duplicate"] += 1
-                continue
-            seen.add(digest)
-            label = row.get(label_column) if has_label else None
-            corpus.documents.append(Document(text, None if label is None else str(label)))
-    if not corpus.documents:
-        raise DipacoError(f"no usable documents in {', '.join(specs)} (dropped: {corpus.dropped}); "
+                max_chars: int = 1_000_000, split: str = "train", dedup: bool = True) -> Corpus:
+    """Every usable document of the inputs in memory (small corpora; the shard stage streams instead)."""
+    filt = DocumentFilter(min_chars, max_chars, dedup)
+    docs = list(iter_documents(specs, text_column, label_column, min_chars, max_chars, split, dedup, filt))
+    if not docs:
+        raise DipacoError(f"no usable documents in {', '.join(specs)} (dropped: {filt.report()}); "
                           f"check --text-column and --min-chars")
-    return corpus
+    return Corpus(docs, filt.report(), describe_inputs(specs, split))
 
 
 # ------------------------------------------------------------------------------- default corpus

@@ -1,10 +1,27 @@
-"""The shard stage: documents -> tokenizer -> router -> one token shard per path (see dipaco.shards)."""
+"""The shard stage: documents -> tokenizer -> router -> one token shard per path (see dipaco.shards).
+
+Two streaming passes keep memory bounded however large the corpus grows:
+
+1. read every record once: filter, drop exact duplicates, decide each kept document's role (held-out,
+   router document, or training) from a seeded random stream, and keep a seeded reservoir sample of
+   ``routing.fit_sample`` training documents (each cut to ``SAMPLE_CHARS``). The tokenizer and the
+   router are fitted on that sample.
+2. read the records again and, batch by batch, route the training documents (features, nearest path,
+   the ``--balance`` cap, ``--overlap`` copies), tokenize them (the tokenizer's Rust thread pool,
+   ``num_proc`` threads) and append the tokens and document offsets to the per-path files.
+
+Everything is written under a temporary directory renamed into place at the end (``atomic_dir``), so a
+failure leaves nothing behind. Same inputs and seed give a byte-identical directory (manifest
+timestamps aside).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -16,23 +33,201 @@ from dipaco.errors import DipacoError
 from dipaco.grid import parse_grid
 from dipaco.io import atomic_dir, sha256_dir, write_json
 from dipaco.routing import Router
+from dipaco.routing.router import BaseRouter
 from dipaco.shards import FORMAT, FORMAT_VERSION
-from dipaco.sharding.sources import read_corpus
+from dipaco.sharding.sources import DocumentFilter, describe_inputs, iter_rows
 from dipaco.sharding.tokenizer import encode, load_tokenizer, train_tokenizer
 
-BATCH = 512
+SAMPLE_CHARS = 4096  # a sampled document keeps this many characters (tokenizer training, router fit)
+DROPPED, TRAIN, HELDOUT, ROUTER = 0, 1, 2, 3
 
 
-def _sample_texts(texts: list[str], limit_chars: int, rng: np.random.Generator) -> list[str]:
-    """A seeded random sample of documents holding about ``limit_chars`` characters."""
-    order = rng.permutation(len(texts))
+def set_num_proc(num_proc: int) -> int:
+    """Threads for the tokenizer's Rust pool (read once, at its first use in a process) and for torch."""
+    n = num_proc or os.cpu_count() or 1
+    if num_proc:
+        os.environ["RAYON_NUM_THREADS"] = str(n)
+    else:
+        os.environ.setdefault("RAYON_NUM_THREADS", str(n))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    try:
+        import torch
+
+        torch.set_num_threads(n)
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return n
+
+
+class _Uniform:
+    """A seeded stream of uniforms, drawn in blocks (fast per document, same values however consumed)."""
+
+    def __init__(self, *seed: int, block: int = 4096):
+        self.rng, self.block, self.buf, self.i = np.random.default_rng(list(seed)), block, np.zeros(0), 0
+
+    def __call__(self) -> float:
+        if self.i >= len(self.buf):
+            self.buf, self.i = self.rng.random(self.block), 0
+        self.i += 1
+        return float(self.buf[self.i - 1])
+
+
+def scan(inputs: list[str], cfg: ShardConfig, progress: bool = True) -> dict:
+    """Pass 1: roles of every input record, drop counts, and a reservoir sample of training documents."""
+    d = cfg.data
+    filt = DocumentFilter(d.min_chars, d.max_chars, d.dedup)
+    roles = bytearray()
+    draw, pick = _Uniform(cfg.seed, 1), np.random.default_rng([cfg.seed, 2])
+    sample: list[tuple[str, str | None]] = []
+    counts = {"documents": 0, "train": 0, "heldout": 0, "router": 0}
+    bar = tqdm(desc="scan", unit="doc", disable=not progress, dynamic_ncols=True)
+    for text, label in iter_rows(inputs, d.text_column, d.label_column, d.split):
+        text = filt(text)
+        bar.update(1)
+        if text is None:
+            roles.append(DROPPED)
+            continue
+        counts["documents"] += 1
+        u = draw()
+        if u < d.heldout_fraction and counts["heldout"] < d.max_heldout_docs:
+            roles.append(HELDOUT)
+            counts["heldout"] += 1
+            continue
+        if d.heldout_fraction <= u < d.heldout_fraction + d.router_fraction and counts["router"] < d.max_router_docs:
+            roles.append(ROUTER)
+            counts["router"] += 1
+            continue
+        roles.append(TRAIN)
+        t = counts["train"]
+        counts["train"] += 1
+        item = (text[:SAMPLE_CHARS], None if label is None else str(label))
+        if t < cfg.routing.fit_sample:  # reservoir sampling (Algorithm R), seeded
+            sample.append(item)
+        else:
+            j = int(pick.integers(0, t + 1))
+            if j < cfg.routing.fit_sample:
+                sample[j] = item
+    bar.close()
+    if counts["documents"] == 0:
+        raise DipacoError(f"no usable documents in {', '.join(inputs)} (dropped: {filt.report()}); "
+                          f"check --text-column and --min-chars")
+    return {"roles": roles, "sample": sample, "counts": counts, "dropped": filt.report()}
+
+
+def _tokenizer_texts(sample: list[tuple[str, str | None]], limit_chars: int) -> list[str]:
     out, total = [], 0
-    for i in order:
+    for text, _ in sample:
         if total >= limit_chars:
             break
-        out.append(texts[i])
-        total += len(texts[i])
+        out.append(text)
+        total += len(text)
     return out
+
+
+def histogram(sizes: list[int], bins: int = 10) -> dict:
+    """Summary and histogram of path sizes (documents per path)."""
+    a = np.asarray(sizes, dtype=np.float64)
+    if not len(a):
+        return {}
+    counts, edges = np.histogram(a, bins=min(bins, max(1, len(a))))
+    mean = float(a.mean())
+    return {"min": int(a.min()), "max": int(a.max()), "mean": round(mean, 2),
+            "max_over_mean": round(float(a.max()) / mean, 3) if mean else None,
+            "cv": round(float(a.std()) / mean, 3) if mean else None,
+            "bins": [round(float(e), 1) for e in edges], "counts": counts.tolist()}
+
+
+class _PathFiles:
+    """Append-only token and offset files of one path split."""
+
+    def __init__(self, directory: Path, split: str):
+        self.bin = open(directory / f"{split}.bin", "wb")
+        self.idx = open(directory / f"{split}.idx", "wb")
+        self.end = 0
+        self.idx.write(np.asarray([0], dtype=np.int64).tobytes())
+
+    def append(self, tokens: bytes, n: int) -> None:
+        self.bin.write(tokens)
+        self.end += n
+        self.idx.write(np.asarray([self.end], dtype=np.int64).tobytes())
+
+    def close(self) -> None:
+        self.bin.close()
+        self.idx.close()
+
+
+class ShardWriter:
+    """Per-path token files plus the counts the manifest reports. Used by ``shard`` and ``reshard``."""
+
+    def __init__(self, root: Path, paths: list[str], dtype, eos_token_id: int):
+        self.paths, self.dtype, self.eos = paths, dtype, eos_token_id
+        self.files = {}
+        for p in paths:
+            (root / "paths" / p).mkdir(parents=True)
+            for split in ("train", "val"):
+                self.files[p, split] = _PathFiles(root / "paths" / p, split)
+        self.stats = {p: {"train_docs": 0, "train_tokens": 0, "val_docs": 0, "val_tokens": 0} for p in paths}
+        self.labels: dict[str, dict[str, int]] = {p: {} for p in paths}
+
+    def write(self, ids, paths: list[str], split: str, label: str | None) -> None:
+        arr = np.asarray(ids, dtype=self.dtype)
+        if not len(arr) or arr[-1] != self.eos:
+            arr = np.append(arr, np.asarray([self.eos], dtype=self.dtype))
+        raw = arr.tobytes()
+        for p in paths:
+            self.files[p, split].append(raw, len(arr))
+            self.stats[p][f"{split}_docs"] += 1
+            self.stats[p][f"{split}_tokens"] += len(arr)
+            if label is not None:
+                self.labels[p][label] = self.labels[p].get(label, 0) + 1
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+class StreamAssigner:
+    """Batch assignment of training documents while streaming: nearest path (distances include the
+    router's balance offsets), a hard cap of ``capacity`` documents per path when balancing (overflow
+    spills to the next-nearest path with room), and ``overlap`` - 1 extra paths for training documents."""
+
+    def __init__(self, router: BaseRouter, capacity: int | None, overlap: int):
+        self.router, self.capacity, self.overlap = router, capacity, max(1, overlap)
+        self.load = np.zeros(len(router.paths), dtype=np.int64)
+        self.spilled = 0
+        self.overlap_copies = 0
+
+    def assign(self, x: np.ndarray, is_val: list[bool]) -> list[list[int]]:
+        d = self.router.path_distances(x)
+        order = np.argsort(d, axis=1, kind="stable")
+        out = []
+        for row, val in zip(order.tolist(), is_val):
+            primary = row[0]
+            if self.capacity is not None:
+                for j in row:
+                    if self.load[j] < self.capacity:
+                        primary = j
+                        break
+                if primary != row[0]:
+                    self.spilled += 1
+            self.load[primary] += 1
+            chosen = [primary]
+            if not val and self.overlap > 1:
+                chosen += [j for j in row if j != primary][: self.overlap - 1]
+                self.overlap_copies += len(chosen) - 1
+            out.append(chosen)
+        return out
+
+
+def _write_jsonl(fh, text: str, label: str | None, path: str) -> None:
+    fh.write(json.dumps({"text": text, "label": label, "path": path}, ensure_ascii=False) + "\n")
+
+
+def fit_router(sample_texts: list[str], cfg: ShardConfig, progress: bool) -> Router:
+    r = cfg.routing
+    return Router.fit(sample_texts, cfg.grid, r.features, r.prefix_chars, r.max_tfidf_features, r.svd_dims,
+                      r.kmeans_iters, r.product_split, cfg.seed, r.spherical, r.balance, r.feature_model or None,
+                      r.prefix_tokens, r.feature_batch_size, r.copy_feature_model, progress, r.kmeans_restarts)
 
 
 def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: str | None = None,
@@ -43,82 +238,117 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
     out = Path(out)
     if out.exists() and not overwrite:
         raise DipacoError(f"{out} already exists; choose another --out or pass --overwrite")
-    corpus = read_corpus(inputs, cfg.data.text_column, cfg.data.label_column, cfg.data.min_chars, cfg.data.max_chars)
-    docs = corpus.documents
+    threads = set_num_proc(cfg.num_proc)
     num_paths = int(np.prod(shape))
-    rng = np.random.default_rng(cfg.seed)
+    d, r = cfg.data, cfg.routing
 
-    # Held-out documents stay whole and are never trained on.
-    order = rng.permutation(len(docs))
-    n_heldout = min(cfg.data.max_heldout_docs, int(len(docs) * cfg.data.heldout_fraction))
-    heldout_ids, train_ids = sorted(order[:n_heldout].tolist()), sorted(order[n_heldout:].tolist())
-    if len(train_ids) < num_paths:
-        raise DipacoError(f"{len(train_ids)} training documents cannot fill {num_paths} paths; add data or use a smaller --grid")
-    train_texts = [docs[i].text for i in train_ids]
+    scanned = scan(inputs, cfg, progress)
+    counts, roles, sample = scanned["counts"], scanned["roles"], scanned["sample"]
+    if counts["train"] < num_paths:
+        raise DipacoError(f"{counts['train']} training documents cannot fill {num_paths} paths; add data or use a smaller --grid")
+    input_info = describe_inputs(inputs, d.split)
+    t_scan = time.perf_counter() - began
 
     with atomic_dir(out, overwrite=overwrite) as tmp:
         tok = load_tokenizer(tokenizer_dir) if tokenizer_dir else train_tokenizer(
-            _sample_texts(train_texts, cfg.tokenizer.train_chars, rng), cfg.tokenizer.vocab_size)
+            _tokenizer_texts(sample, cfg.tokenizer.train_chars), cfg.tokenizer.vocab_size)
         tok.save_pretrained(str(tmp / "tokenizer"))
-        vocab_size = len(tok)
+        vocab_size, eos = len(tok), tok.eos_token_id
         dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max else np.uint32
+        t_tok = time.perf_counter() - began
 
-        fit_ids = rng.choice(len(train_texts), size=min(cfg.routing.fit_sample, len(train_texts)), replace=False)
-        r = cfg.routing
-        router = Router.fit([train_texts[i] for i in sorted(fit_ids)], cfg.grid, r.features, r.prefix_chars,
-                            r.max_tfidf_features, r.svd_dims, r.kmeans_iters, r.product_split, cfg.seed)
+        router = fit_router([t for t, _ in sample], cfg, progress)
         router.save(tmp / "router")
         paths = router.paths
+        del sample
+        t_router = time.perf_counter() - began
 
-        assignment = router.assign(train_texts, cfg.routing.balance)
-        is_val = rng.random(len(train_texts)) < cfg.data.val_fraction
-
-        files, offsets = {}, {}
-        for p in paths:
-            (tmp / "paths" / p).mkdir(parents=True)
-            for split in ("train", "val"):
-                files[p, split] = open(tmp / "paths" / p / f"{split}.bin", "wb")
-                offsets[p, split] = [0]
-        stats = {p: {"train_docs": 0, "train_tokens": 0, "val_docs": 0, "val_tokens": 0} for p in paths}
-        labels: dict[str, dict[str, int]] = {p: {} for p in paths}
-        bar = tqdm(total=len(train_texts), desc="tokenize+write", unit="doc", disable=not progress, dynamic_ncols=True)
-        for start in range(0, len(train_texts), BATCH):
-            batch = train_texts[start:start + BATCH]
-            for j, ids in enumerate(encode(tok, batch)):
-                k = start + j
-                p, split = assignment[k], "val" if is_val[k] else "train"
-                ids.append(tok.eos_token_id)
-                files[p, split].write(np.asarray(ids, dtype=dtype).tobytes())
-                offsets[p, split].append(offsets[p, split][-1] + len(ids))
-                stats[p][f"{split}_docs"] += 1
-                stats[p][f"{split}_tokens"] += len(ids)
-                label = docs[train_ids[k]].label
-                if label is not None:
-                    labels[p][label] = labels[p].get(label, 0) + 1
-            bar.update(len(batch))
-        bar.close()
-        for (p, split), f in files.items():
-            f.close()
-            np.asarray(offsets[p, split], dtype=np.int64).tofile(tmp / "paths" / p / f"{split}.idx")
-
+        capacity = int(np.ceil(r.balance * counts["train"] / num_paths)) if r.balance > 0 else None
+        assigner = StreamAssigner(router, capacity, r.overlap)
+        writer = ShardWriter(tmp, paths, dtype, eos)
+        val_draw = _Uniform(cfg.seed, 3)
         (tmp / "heldout").mkdir()
-        heldout_texts = [docs[i].text for i in heldout_ids]
-        heldout_paths = router.route(heldout_texts) if heldout_texts else []
-        with open(tmp / "heldout" / "docs.jsonl", "w", encoding="utf-8") as f:
-            for i, p in zip(heldout_ids, heldout_paths):
-                f.write(json.dumps({"text": docs[i].text, "label": docs[i].label, "path": p}, ensure_ascii=False) + "\n")
+        (tmp / "router_docs").mkdir()
+        heldout_fh = open(tmp / "heldout" / "docs.jsonl", "w", encoding="utf-8")
+        router_fh = open(tmp / "router_docs" / "docs.jsonl", "w", encoding="utf-8")
+        filt = DocumentFilter(d.min_chars, d.max_chars, dedup=False)  # roles already hold the dedup decision
+        bar = tqdm(total=len(roles), desc="route+tokenize+write", unit="doc", disable=not progress, dynamic_ncols=True)
+        batch: list[tuple[str, str | None, int]] = []
+        # Tokenizing batch k (Rust, releases the GIL) overlaps with routing batch k+1 (features in Python);
+        # batches are written strictly in order, so the output does not depend on timing.
+        pool = ThreadPoolExecutor(max_workers=1)
+        pending: list = []
 
+        def write_pending():
+            if pending:
+                future, rows = pending.pop()
+                for tokens, (targets, split, label) in zip(future.result(), rows):
+                    writer.write(tokens, targets, split, label)
+
+        def flush():
+            texts = [t for t, _, _ in batch]
+            x = router.features.transform(texts)
+            train_rows = [i for i, (_, _, role) in enumerate(batch) if role == TRAIN]
+            aside = [i for i, (_, _, role) in enumerate(batch) if role != TRAIN]
+            if aside:
+                nearest = router.assign_features(x[aside])
+                for i, p in zip(aside, nearest):
+                    text, label, role = batch[i]
+                    _write_jsonl(heldout_fh if role == HELDOUT else router_fh, text, label, p)
+            if train_rows:
+                is_val = [val_draw() < d.val_fraction for _ in train_rows]
+                chosen = assigner.assign(x[train_rows], is_val)
+                future = pool.submit(encode, tok, [texts[i] for i in train_rows])
+                rows = [([paths[j] for j in targets], "val" if val else "train", batch[i][1])
+                        for i, val, targets in zip(train_rows, is_val, chosen)]
+                write_pending()
+                pending.append((future, rows))
+            bar.update(len(batch))
+            batch.clear()
+
+        try:
+            for role, (text, label) in zip(roles, iter_rows(inputs, d.text_column, d.label_column, d.split)):
+                if role == DROPPED:
+                    bar.update(1)
+                    continue
+                text = filt(text)
+                batch.append((text, None if label is None else str(label), role))
+                if len(batch) >= r.batch_size:
+                    flush()
+            if batch:
+                flush()
+            write_pending()
+        finally:
+            pool.shutdown(wait=True)
+            bar.close()
+            writer.close()
+            heldout_fh.close()
+            router_fh.close()
+        t_write = time.perf_counter() - began
+
+        stats, labels = writer.stats, writer.labels
         tokenizer_hash, router_hash = sha256_dir(tmp / "tokenizer"), sha256_dir(tmp / "router")
         fingerprint = hashlib.sha256(json.dumps([tokenizer_hash, router_hash, stats], sort_keys=True).encode()).hexdigest()
+        sizes = [s["train_docs"] + s["val_docs"] for s in stats.values()]
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "grid": cfg.grid, "paths": stats,
             "labels_per_path": labels, "token_dtype": np.dtype(dtype).name, "vocab_size": vocab_size,
-            "eos_token_id": tok.eos_token_id, "documents": len(docs), "train_documents": len(train_ids),
-            "heldout_documents": len(heldout_ids), "dropped": corpus.dropped, "inputs": corpus.inputs,
+            "eos_token_id": eos, "documents": counts["documents"], "train_documents": counts["train"],
+            "heldout_documents": counts["heldout"], "router_documents": counts["router"],
+            "tokens": sum(s["train_tokens"] + s["val_tokens"] for s in stats.values()),
+            "dropped": {k: v for k, v in scanned["dropped"].items() if k != "truncated"},
+            "truncated": scanned["dropped"]["truncated"], "inputs": input_info,
+            "path_sizes": histogram(sizes),
+            "assignment": {"balance": r.balance, "capacity": capacity, "spilled": assigner.spilled,
+                           "overlap": r.overlap, "overlap_copies": assigner.overlap_copies},
             "tokenizer": {"source": str(tokenizer_dir) if tokenizer_dir else "trained", "sha256": tokenizer_hash},
-            "router": {"sha256": router_hash, **json.loads((tmp / "router" / "router.json").read_text())},
+            "router": {"sha256": router_hash, "fit_documents": min(r.fit_sample, counts["train"]),
+                       **json.loads((tmp / "router" / "router.json").read_text())},
             "fingerprint": fingerprint, "config": to_dict(cfg),
-            "versions": {"dipaco": dipaco.__version__}, "seconds": round(time.perf_counter() - began, 2),
+            "versions": {"dipaco": dipaco.__version__}, "threads": threads,
+            "seconds": round(time.perf_counter() - began, 2),
+            "timing": {"scan": round(t_scan, 2), "tokenizer": round(t_tok - t_scan, 2),
+                       "router": round(t_router - t_tok, 2), "write": round(t_write - t_router, 2)},
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         write_json(tmp / "manifest.json", manifest)
@@ -132,3 +362,20 @@ def purity(labels_per_path: dict[str, dict[str, int]]) -> dict:
     total = sum(sum(c.values()) for c in labels_per_path.values())
     overall = sum(max(c.values()) for c in labels_per_path.values() if c) / total if total else None
     return {"overall": overall, "per_path": per_path}
+
+
+def nmi(labels_per_path: dict[str, dict[str, int]]) -> float | None:
+    """Normalised mutual information (arithmetic mean) between paths and labels, from the counts."""
+    from sklearn.metrics import normalized_mutual_info_score
+
+    names = sorted({l for c in labels_per_path.values() for l in c})
+    if not names:
+        return None
+    paths, labs, weights = [], [], []
+    for i, c in enumerate(labels_per_path.values()):
+        for j, name in enumerate(names):
+            if c.get(name):
+                paths.append(i)
+                labs.append(j)
+                weights.append(c[name])
+    return float(normalized_mutual_info_score(np.repeat(labs, weights), np.repeat(paths, weights)))

@@ -31,7 +31,7 @@ def test_every_document_lands_in_exactly_one_path(shards_2x2, corpus_file):
     assert s.grid == "2x2" and s.paths == ["0-0", "0-1", "1-0", "1-1"]
     docs = sum(p["train_docs"] + p["val_docs"] for p in m["paths"].values())
     assert docs == m["train_documents"]
-    assert m["train_documents"] + m["heldout_documents"] == m["documents"]
+    assert m["train_documents"] + m["heldout_documents"] + m["router_documents"] == m["documents"]
     tok = s.tokenizer()
     for p in s.paths:
         for split in ("train", "val"):

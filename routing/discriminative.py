@@ -1,0 +1,118 @@
+"""The discriminative router (DiPaCo §2.4.2): a multinomial logistic regression from prefix features to
+the path under which a document has the lowest loss, with a bias that keeps the path distribution on
+target (no path collapses).
+
+The fitted router keeps the feature pipeline of the router it replaces (same features, so routing at
+eval sees exactly what built the shards) and stores its weights as .npy files; ``Router.load`` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from dipaco.errors import DipacoError
+from dipaco.grid import format_grid, parse_grid
+from dipaco.routing.features import load_features
+from dipaco.routing.router import BaseRouter
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    z = z - z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+class DiscriminativeRouter(BaseRouter):
+    kind = "discriminative"
+
+    def __init__(self, features, shape: tuple[int, ...], coef: np.ndarray, intercept: np.ndarray, info: dict | None = None):
+        self.features, self.shape = features, shape
+        self.coef = np.asarray(coef, dtype=np.float32)            # (P, d)
+        self.intercept = np.asarray(intercept, dtype=np.float32)  # (P,)
+        self.info = info or {}
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        return np.asarray(x, dtype=np.float32) @ self.coef.T + self.intercept[None, :]
+
+    def probabilities(self, x: np.ndarray) -> np.ndarray:
+        return _softmax(self.logits(x).astype(np.float64))
+
+    def path_distances(self, x: np.ndarray) -> np.ndarray:
+        """Negative logits: lower is nearer, so routing is the most probable path."""
+        return -self.logits(x)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "grid": format_grid(self.shape), "features": self.features.describe(), **self.info}
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.features.save(directory / "features")
+        np.save(directory / "coef.npy", self.coef)
+        np.save(directory / "intercept.npy", self.intercept)
+        (directory / "router.json").write_text(json.dumps(self.describe(), indent=2))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "DiscriminativeRouter":
+        directory = Path(directory)
+        try:
+            spec = json.loads((directory / "router.json").read_text())
+            shape = parse_grid(spec["grid"])
+            coef = np.load(directory / "coef.npy", allow_pickle=False)
+            intercept = np.load(directory / "intercept.npy", allow_pickle=False)
+        except (OSError, ValueError, KeyError) as exc:
+            raise DipacoError(f"discriminative router in {directory} is incomplete or damaged ({exc}); "
+                              f"re-run `dipaco reshard`") from None
+        info = {k: v for k, v in spec.items() if k not in ("kind", "grid", "features")}
+        return cls(load_features(directory / "features"), shape, coef, intercept, info)
+
+
+def match_bias(logits: np.ndarray, target: np.ndarray, iters: int = 500, tol: float = 1e-4) -> np.ndarray:
+    """Offsets b such that the mean softmax(logits + b) over these rows equals ``target`` (a distribution).
+
+    Fixed point b <- b + log(target) - log(mean probability): the classic prior-shift correction.
+    """
+    target = np.asarray(target, dtype=np.float64)
+    target = target / target.sum()
+    b = np.zeros(logits.shape[1])
+    for _ in range(iters):
+        mean = _softmax(logits + b).mean(axis=0)
+        step = np.log(np.maximum(target, 1e-12)) - np.log(np.maximum(mean, 1e-12))
+        b += step
+        if np.abs(mean - target).max() < tol:
+            break
+    return b - b.mean()
+
+
+def fit_discriminative(features, x: np.ndarray, labels: np.ndarray, shape: tuple[int, ...], target: np.ndarray,
+                       seed: int = 0, C: float = 1.0) -> DiscriminativeRouter:
+    """Multinomial logistic regression on (x, labels: path indices), intercept shifted to ``target`` shares."""
+    from sklearn.linear_model import LogisticRegression
+
+    P = int(np.prod(shape))
+    x = np.asarray(x, dtype=np.float64)
+    labels = np.asarray(labels, dtype=np.int64)
+    present = np.unique(labels)
+    coef = np.zeros((P, x.shape[1]))
+    intercept = np.zeros(P)
+    if len(present) >= 2:
+        clf = LogisticRegression(C=C, max_iter=2000, random_state=seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # convergence chatter on tiny samples
+            clf.fit(x, labels)
+        if len(present) == 2:  # binary: sklearn keeps one row; the softmax form is (-w/2, +w/2)
+            coef[present[0]], coef[present[1]] = -clf.coef_[0] / 2, clf.coef_[0] / 2
+            intercept[present[0]], intercept[present[1]] = -clf.intercept_[0] / 2, clf.intercept_[0] / 2
+        else:
+            coef[present], intercept[present] = clf.coef_, clf.intercept_
+    absent = np.setdiff1d(np.arange(P), present)
+    if len(absent):  # paths that no router document preferred start far below, the bias lifts them to target
+        intercept[absent] = intercept[present].min() - 5.0
+    bias = match_bias(x @ coef.T + intercept, target)
+    info = {"classes_seen": int(len(present)), "fit_documents": int(len(labels)), "C": C,
+            "target": [round(float(t), 6) for t in np.asarray(target) / np.sum(target)]}
+    return DiscriminativeRouter(features, shape, coef, intercept + bias, info)

@@ -1,0 +1,187 @@
+"""Discriminative re-sharding (DiPaCo §2.4.2): loss labels from a trained run -> a new router -> new shards.
+
+1. Score every held-aside router document (``SHARDS/router_docs/docs.jsonl``, never trained on) under
+   every path of the run; its label is the path with the lowest loss (mean NLL per scored token; the
+   routing prefix is not scored).
+2. Fit a multinomial logistic regression from the shard router's prefix features to the labels, on a
+   seeded part of the router documents; shift its bias so that the predicted path distribution matches
+   the target (the current shard sizes, or uniform), so no path collapses. Report the accuracy against
+   the loss labels on the rest (and the k-means router's, for reference).
+3. Re-route every training and validation document of SHARDS (decoded from its tokens, so the shard
+   directory is all it needs) and write SHARDS2 in the same format: same tokenizer, tokens unchanged,
+   validation documents stay validation, the held-out and router documents keep their place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+import dipaco
+from dipaco.errors import DipacoError
+from dipaco.io import atomic_dir, sha256_dir, write_json
+from dipaco.routing import Router
+from dipaco.routing.discriminative import fit_discriminative
+from dipaco.run import Run
+from dipaco.scoring import document_nll
+from dipaco.shards import ShardSet
+from dipaco.sharding.tokenizer import encode
+from dipaco.routing.router import top_paths
+from dipaco.sharding.writer import ShardWriter, histogram
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise DipacoError(f"{path} is missing; re-shard with a dipaco that keeps router documents "
+                          f"(data.router_fraction > 0)")
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def loss_matrix(run: Run, paths: list[str], ids: list[list[int]], at_round: int | None = None,
+                progress: bool = True) -> np.ndarray:
+    """(documents, paths) mean next-token NLL of every document under every path."""
+    cfg = run.config
+    out = np.full((len(ids), len(paths)), np.inf)
+    for j, path in enumerate(tqdm(paths, desc="score router docs", unit="path", disable=not progress, dynamic_ncols=True)):
+        model = run.path_model(path, at_round).model
+        for i, (nll, n) in enumerate(document_nll(model, ids, cfg.eval.context_tokens, cfg.model.max_seq_len,
+                                                   cfg.eval.batch_size, pad_id=run.info["eos_token_id"])):
+            if n:
+                out[i, j] = nll / n
+    return out
+
+
+def reshard(run_dir: str | Path, shards_dir: str | Path, out: str | Path, target: str = "current",
+            holdout_fraction: float = 0.2, max_tokens: int = 512, seed: int = 0, at_round: int | None = None,
+            overwrite: bool = False, progress: bool = True) -> dict:
+    """Write SHARDS2 ``out`` re-routed by a discriminative router fitted on ``run_dir``'s loss labels."""
+    began = time.perf_counter()
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise DipacoError(f"{out} already exists; choose another --out or pass --overwrite")
+    if target not in ("current", "uniform"):
+        raise DipacoError(f"--target {target!r} is unknown; use 'current' (the shard sizes) or 'uniform'")
+    if not 0.0 < holdout_fraction < 1.0:
+        raise DipacoError(f"--holdout-fraction must be in (0, 1), got {holdout_fraction}")
+    shards = ShardSet(shards_dir)
+    run = Run(run_dir)
+    if run.info.get("shards_fingerprint") != shards.fingerprint:
+        raise DipacoError(f"run {run.root} was trained on other shards than {shards.root}; "
+                          f"pass the shards it was trained on (--shards {run.info.get('shards_dir')})")
+    if run.is_dense:
+        raise DipacoError(f"run {run.root} is a dense run (one path); re-sharding needs a run with one path per shard")
+    paths = shards.paths
+    if run.grid.paths != paths:
+        raise DipacoError(f"run {run.root} has paths {run.grid.paths}, the shards {paths}; use the matching run")
+    docs = _read_jsonl(shards.root / "router_docs" / "docs.jsonl")
+    tok = shards.tokenizer()
+    context = run.config.eval.context_tokens
+    ids = [t[:max_tokens] for t in encode(tok, [d["text"] for d in docs])]
+    keep = [i for i, t in enumerate(ids) if len(t) > context + 1]
+    if len(keep) < max(10, 2 * len(paths)):
+        raise DipacoError(f"{shards.root} has {len(keep)} router documents longer than {context} tokens; re-shard with a "
+                          f"larger data.router_fraction (need at least {max(10, 2 * len(paths))})")
+    docs, ids = [docs[i] for i in keep], [ids[i] for i in keep]
+
+    losses = loss_matrix(run, paths, ids, at_round, progress)
+    labels = losses.argmin(axis=1)
+    old = Router.load(shards.root / "router")
+    x = old.features.transform([d["text"] for d in docs])
+    order = np.random.default_rng(seed).permutation(len(docs))
+    n_test = max(1, int(np.floor(len(docs) * holdout_fraction + 0.5)))
+    test, fit = np.sort(order[:n_test]), np.sort(order[n_test:])
+    sizes = np.asarray([shards.manifest["paths"][p]["train_docs"] + shards.manifest["paths"][p]["val_docs"] for p in paths],
+                       dtype=np.float64)
+    target_shares = sizes + 1.0 if target == "current" else np.ones(len(paths))
+    new = fit_discriminative(old.features, x[fit], labels[fit], old.shape, target_shares, seed)
+    new.info.update({"run": str(run.root.resolve()), "round": run.latest() if at_round is None else at_round,
+                     "source_shards": shards.fingerprint, "target_mode": target})
+    predicted = new.path_distances(x[test]).argmin(axis=1)
+    kmeans_pred = old.path_distances(x[test]).argmin(axis=1)
+    scores = {"router_documents": len(docs), "fit_documents": int(len(fit)), "test_documents": int(len(test)),
+              "accuracy": float((predicted == labels[test]).mean()),
+              "kmeans_accuracy": float((kmeans_pred == labels[test]).mean()),
+              "label_shares": (np.bincount(labels, minlength=len(paths)) / len(labels)).round(4).tolist(),
+              "mean_loss_assigned_kmeans": float(losses[test, kmeans_pred].mean()),
+              "mean_loss_assigned_discriminative": float(losses[test, predicted].mean()),
+              "mean_loss_oracle": float(losses[test, labels[test]].mean())}
+
+    overlap = int(shards.manifest.get("config", {}).get("routing", {}).get("overlap", 1))
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        shutil.copytree(shards.root / "tokenizer", tmp / "tokenizer")
+        new.save(tmp / "router")
+        writer = ShardWriter(tmp, paths, shards.dtype, shards.eos_token_id)
+        moved = total = 0
+        seen: set[bytes] = set()
+        batch: list[tuple[np.ndarray, str, str]] = []  # (tokens, old path, split)
+
+        def flush():
+            nonlocal moved, total
+            texts = tok.batch_decode([t[:-1].tolist() for t, _, _ in batch])
+            d = new.path_distances(new.features.transform(texts))
+            primary = d.argmin(axis=1)
+            for (tokens, was, split), targets in zip(batch, top_paths(d, primary, overlap)):
+                chosen = targets if split == "train" else targets[:1]
+                writer.write(tokens, [paths[j] for j in chosen], split, None)
+                moved += paths[chosen[0]] != was
+                total += 1
+            batch.clear()
+
+        bar = tqdm(total=sum(shards.manifest["paths"][p]["train_docs"] + shards.manifest["paths"][p]["val_docs"] for p in paths),
+                   desc="re-shard", unit="doc", disable=not progress, dynamic_ncols=True)
+        for p in paths:
+            for split in ("train", "val"):
+                tokens, offsets = shards.tokens(p, split), shards.doc_offsets(p, split)
+                for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+                    bar.update(1)
+                    doc = np.asarray(tokens[a:b])
+                    if overlap > 1 and split == "train":  # an overlapped document is stored once per path
+                        digest = hashlib.blake2b(doc.tobytes(), digest_size=16).digest()
+                        if digest in seen:
+                            continue
+                        seen.add(digest)
+                    batch.append((doc, p, split))
+                    if len(batch) >= 512:
+                        flush()
+        if batch:
+            flush()
+        bar.close()
+        writer.close()
+
+        for sub, name in (("heldout", "docs.jsonl"), ("router_docs", "docs.jsonl")):
+            rows = _read_jsonl(shards.root / sub / name) if (shards.root / sub / name).is_file() else []
+            routes = new.route([r["text"] for r in rows]) if rows else []
+            (tmp / sub).mkdir()
+            with open(tmp / sub / name, "w", encoding="utf-8") as fh:
+                for r, path in zip(rows, routes):
+                    fh.write(json.dumps({**r, "path": path}, ensure_ascii=False) + "\n")
+
+        stats = writer.stats
+        tokenizer_hash, router_hash = sha256_dir(tmp / "tokenizer"), sha256_dir(tmp / "router")
+        fingerprint = hashlib.sha256(json.dumps([tokenizer_hash, router_hash, stats], sort_keys=True).encode()).hexdigest()
+        report = {**scores, "moved_share": moved / total if total else 0.0, "moved_documents": moved,
+                  "documents": total, "seconds": round(time.perf_counter() - began, 2)}
+        manifest = dict(shards.manifest)
+        manifest.update({
+            "paths": stats, "labels_per_path": {p: {} for p in paths},  # labels are not stored per token document
+            "tokens": sum(s["train_tokens"] + s["val_tokens"] for s in stats.values()),
+            "path_sizes": histogram([s["train_docs"] + s["val_docs"] for s in stats.values()]),
+            "router": {"sha256": router_hash, **json.loads((tmp / "router" / "router.json").read_text())},
+            "tokenizer": {**shards.manifest["tokenizer"], "sha256": tokenizer_hash},
+            "fingerprint": fingerprint, "reshard": {"source": str(shards.root.resolve()), "run": str(run.root.resolve()),
+                                                    **report},
+            "versions": {"dipaco": dipaco.__version__},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        })
+        write_json(tmp / "manifest.json", manifest)
+        if (shards.root / "config.toml").is_file():
+            shutil.copyfile(shards.root / "config.toml", tmp / "config.toml")
+    return report
+
