@@ -38,8 +38,6 @@ class DataConfig:
     re-sharding (`dipaco reshard`); the paper keeps 0.5%. Written whole to router_docs/docs.jsonl."""
     max_router_docs: int = 5000
     """Cap on router documents."""
-    min_router_docs: int = 0
-    """Hold aside at least this many router documents (when the corpus is small and the fraction gives few)."""
     dedup: bool = True
     """Drop exact duplicates (same text after stripping, by a 128-bit hash)."""
     split: str = "train"
@@ -389,7 +387,7 @@ def validate(cfg) -> None:
         if value <= 0:
             raise DipacoError(f"config: '{key}' must be > 0, got {value}")
 
-    def fraction(key, value, upper_open=True):
+    def fraction(key, value):
         if not 0.0 <= value < 1.0:
             raise DipacoError(f"config: '{key}' must be in [0, 1), got {value}")
 
@@ -445,7 +443,7 @@ def validate(cfg) -> None:
         fraction("data.router_fraction", d.router_fraction)
         if d.heldout_fraction + d.router_fraction + d.val_fraction >= 1.0:
             raise DipacoError("config: data.heldout_fraction + data.router_fraction + data.val_fraction must be < 1")
-        for key in ("max_router_docs", "min_router_docs", "max_heldout_docs"):
+        for key in ("max_router_docs", "max_heldout_docs"):
             if getattr(d, key) < 0:
                 raise DipacoError(f"config: 'data.{key}' must be >= 0, got {getattr(d, key)}")
         if d.min_chars < 0:

@@ -41,10 +41,6 @@ class BaseRouter:
     def paths(self) -> list[str]:
         return ["-".join(map(str, c)) for c in itertools.product(*(range(k) for k in self.shape))]
 
-    def features_of(self, texts) -> np.ndarray:
-        texts = _check_texts(texts)
-        return self.features.transform(texts)
-
     def assign_features(self, x: np.ndarray) -> list[str]:
         paths = self.paths
         return [paths[j] for j in self.path_distances(x).argmin(axis=1).tolist()]

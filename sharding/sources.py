@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import sysconfig
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -29,13 +29,6 @@ _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "c
 class Document:
     text: str
     label: str | None = None
-
-
-@dataclass
-class Corpus:
-    documents: list[Document]
-    dropped: dict[str, int] = field(default_factory=dict)
-    inputs: list[dict] = field(default_factory=list)
 
 
 def _format_of(path: Path) -> str | None:
@@ -243,17 +236,6 @@ def iter_documents(specs: list[str], text_column: str = "text", label_column: st
         text = filt(text)
         if text is not None:
             yield Document(text, None if label is None else str(label))
-
-
-def read_corpus(specs: list[str], text_column: str = "text", label_column: str = "domain", min_chars: int = 64,
-                max_chars: int = 1_000_000, split: str = "train", dedup: bool = True) -> Corpus:
-    """Every usable document of the inputs in memory (small corpora; the shard stage streams instead)."""
-    filt = DocumentFilter(min_chars, max_chars, dedup)
-    docs = list(iter_documents(specs, text_column, label_column, min_chars, max_chars, split, dedup, filt))
-    if not docs:
-        raise DipacoError(f"no usable documents in {', '.join(specs)} (dropped: {filt.report()}); "
-                          f"check --text-column and --min-chars")
-    return Corpus(docs, filt.report(), describe_inputs(specs, split))
 
 
 # ------------------------------------------------------------------------------- default corpus

@@ -5,7 +5,6 @@ import pytest
 
 from dipaco.errors import DipacoError
 from dipaco.routing import Router
-from dipaco.sharding.sources import read_corpus
 from dipaco.sharding.tokenizer import encode, load_tokenizer, train_tokenizer
 from dipaco.sharding.writer import shard
 from dipaco.shards import ShardSet
@@ -75,7 +74,7 @@ def test_bad_inputs_get_clear_errors_and_leave_nothing(tmp_path, corpus_file):
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"text": "short"}) + "\n")
     with pytest.raises(DipacoError, match="no usable documents"):
-        read_corpus([str(empty)])
+        shard([str(empty)], shard_config("2"), out, progress=False)
     assert not out.exists()
     assert not list(tmp_path.glob(".out.tmp*"))
 
