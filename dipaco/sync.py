@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from dipaco.outer import OuterOptimizer, add_weighted_outer_gradient, sqrt_rescale
+from dipaco.outer import OuterOptimizer, add_weighted_outer_gradient, sqrt_rescale, zeros_like_module
 from dipaco.streaming import Pending, merge, split_fragments, syncs_at
 
 
@@ -58,7 +58,7 @@ class ModuleSync:
             if not names:
                 continue
             glob = {n: self.modules[m][n] for n in names}
-            grad = {n: torch.zeros_like(glob[n], dtype=torch.float32) for n in names}
+            grad = zeros_like_module(glob)
             for i, w in contributors.items():
                 add_weighted_outer_gradient(grad, glob, self.trainees[i].model.module_tensors(m), w)
             grads[m] = grad

@@ -46,6 +46,12 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot(report: dict, path: str | Path) -> None:
     plt = _plt()
     names = list(report["methods"])
@@ -56,9 +62,7 @@ def plot(report: dict, path: str | Path) -> None:
     ax.bar_label(bars, fmt="%.1f", fontsize=8)
     ax.set_ylabel("held-out perplexity (prefix not scored)")
     ax.set_title("perplexity per method")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_rounds(report: dict, path: str | Path) -> bool:
@@ -78,9 +82,7 @@ def plot_rounds(report: dict, path: str | Path) -> bool:
     ax.set_yscale("log")
     ax.set_title("perplexity over rounds")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return True
 
 
@@ -102,9 +104,7 @@ def plot_paths(report: dict, path: str | Path) -> bool:
     ax.set_ylabel("held-out documents")
     ax.set_title("held-out documents per path")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return True
 
 
