@@ -3,7 +3,9 @@
 Two streaming passes keep memory bounded however large the corpus grows:
 
 1. read every record once: filter, drop exact duplicates, decide each kept document's role (held-out,
-   router document, or training) from a seeded random stream, and keep a seeded reservoir sample of
+   router document, or training) from a seeded random stream (when there are more held-out or router
+   candidates than their cap, a seeded uniform subset of them is kept, so they come from the whole
+   corpus, not its first files), and keep a seeded reservoir sample of
    ``routing.fit_sample`` training documents (each cut to ``SAMPLE_CHARS``). The tokenizer and the
    router are fitted on that sample.
 2. read the records again and, batch by batch, route the training documents (features, nearest path,
@@ -80,6 +82,7 @@ def scan(inputs: list[str], cfg: ShardConfig, progress: bool = True) -> dict:
     draw, pick = _Uniform(cfg.seed, 1), np.random.default_rng([cfg.seed, 2])
     sample: list[tuple[str, str | None]] = []
     counts = {"documents": 0, "train": 0, "heldout": 0, "router": 0}
+    aside: dict[int, list[int]] = {HELDOUT: [], ROUTER: []}  # record numbers of the candidates
     bar = tqdm(desc="scan", unit="doc", disable=not progress, dynamic_ncols=True)
     for text, label in iter_rows(inputs, d.text_column, d.label_column, d.split):
         text = filt(text)
@@ -89,13 +92,13 @@ def scan(inputs: list[str], cfg: ShardConfig, progress: bool = True) -> dict:
             continue
         counts["documents"] += 1
         u = draw()
-        if u < d.heldout_fraction and counts["heldout"] < d.max_heldout_docs:
+        if u < d.heldout_fraction:
+            aside[HELDOUT].append(len(roles))
             roles.append(HELDOUT)
-            counts["heldout"] += 1
             continue
-        if d.heldout_fraction <= u < d.heldout_fraction + d.router_fraction and counts["router"] < d.max_router_docs:
+        if d.heldout_fraction <= u < d.heldout_fraction + d.router_fraction:
+            aside[ROUTER].append(len(roles))
             roles.append(ROUTER)
-            counts["router"] += 1
             continue
         roles.append(TRAIN)
         t = counts["train"]
@@ -108,6 +111,18 @@ def scan(inputs: list[str], cfg: ShardConfig, progress: bool = True) -> dict:
             if j < cfg.routing.fit_sample:
                 sample[j] = item
     bar.close()
+    # Keep a seeded uniform subset of the candidates when there are more than the cap (the first ones
+    # would all come from the first files); the others train. They miss the fit sample, which is only a sample.
+    keep_rng = np.random.default_rng([cfg.seed, 4])
+    for role, cap, key in ((HELDOUT, d.max_heldout_docs, "heldout"), (ROUTER, d.max_router_docs, "router")):
+        candidates = aside[role]
+        if len(candidates) > cap:
+            kept = set(keep_rng.choice(len(candidates), size=cap, replace=False).tolist())
+            for j, i in enumerate(candidates):
+                if j not in kept:
+                    roles[i] = TRAIN
+        counts[key] = min(cap, len(candidates))
+        counts["train"] += len(candidates) - counts[key]
     if counts["documents"] == 0:
         raise DipacoError(f"no usable documents in {', '.join(inputs)} (dropped: {filt.report()}); "
                           f"check --text-column and --min-chars")
