@@ -235,6 +235,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.configs, args.grids, args.reps, args.rounds = "tiny", "1", 2, 1
     torch.set_num_threads(1)
+    import dipaco.train  # noqa: F401  (import everything the worker runs before timing anything)
     from dipaco.shards import ShardSet
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dipaco-worker-speed-"))
