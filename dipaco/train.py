@@ -7,9 +7,10 @@ shards pooled. DiLoCo (grid '1' + grid.replicas_per_shard): one trainee per shar
 Workers: with no launcher every trainee runs in this process (a world of one). Under torchrun the
 trainees are split into contiguous runs over the ranks (trainee i on rank ⌊i·N/T⌋); a worker builds
 only its trainees and holds only the modules their paths use. When modules sync is ``dipaco.sync``
-(plain rounds or Streaming DiLoCo fragments); the transport is ``dipaco.comm``. Rank 0 gathers the
-modules (from their lowest-rank holder), outer buffers and trainee states and writes checkpoints
-and metrics; every rank reads the checkpoint on resume (multi-node resume needs a shared run dir).
+(plain rounds or Streaming DiLoCo fragments); the transport is ``dipaco.comm``. Checkpoints: every
+worker writes its trainees' states and the modules it is the lowest-rank holder of into the round's
+directory; rank 0 gathers the outer buffers, completes the round and writes metrics. The run directory
+must be shared by all workers (one machine, or a shared file system across nodes).
 """
 
 from __future__ import annotations
@@ -305,26 +306,53 @@ def load_round(run_dir: Path, r: int, su: Setup) -> None:
 
 
 def save_round(run_dir: Path, r: int, su: Setup, world) -> None:
-    """Gather what the lowest-rank holder of every module and every worker's trainees have; rank 0 writes."""
+    """Every worker writes its trainees' states and the modules it is the lowest-rank holder of straight into
+    the round's temporary directory (made by rank 0); rank 0 gathers the small rest (outer buffers, streamed
+    reductions), completes the round and moves ``latest``; every rank learns whether that worked."""
     owned = [m for m in su.modules if _holders(su, m)[0] == world.rank]
+    pending = su.sync.state()  # waits for reductions still in flight
+    tmp = world.broadcast(_attempt(lambda: str(checkpoint.begin_round(run_dir, r))) if world.rank == 0 else None)
+    error = tmp if isinstance(tmp, DipacoError) else _attempt(lambda: _write_part(Path(tmp), su, owned), world.rank)
     outer = su.outer.state_dict()
-    part = {"modules": {m: {n: t.detach().cpu() for n, t in su.modules[m].items()} for m in owned},
+    part = {"error": error,
             "outer": {k: v.detach().cpu() for k, v in outer.items() if k.split("/", 1)[0] in owned},
-            "trainees": {tr.index: tr.state(su.sync.keeps_local_weights) for tr in su.trainees},
-            "sync": [{**p, "grads": {m: g for m, g in p["grads"].items() if m in owned}} for p in su.sync.state()]}
+            "sync": [{**p, "grads": {m: g for m, g in p["grads"].items() if m in owned}} for p in pending]}
     parts = world.gather(part)
-    if world.rank != 0:
-        return
-    modules = {m: t for p in parts for m, t in p["modules"].items()}
-    modules = {m: modules[m] for m in su.weights}  # the global module order
+    outcome = None
+    if world.rank == 0:
+        outcome = next((p["error"] for p in parts if isinstance(p["error"], DipacoError)), None)
+        if outcome is None:
+            outcome = _attempt(lambda: _finish(run_dir, r, Path(tmp), su, parts))
+        if isinstance(outcome, DipacoError) and not isinstance(tmp, DipacoError):
+            checkpoint.abort_round(Path(tmp))
+    outcome = world.broadcast(outcome)
+    if isinstance(outcome, DipacoError):
+        raise DipacoError(str(outcome))
+
+
+def _attempt(fn, rank: int = 0):
+    """fn()'s result, or its exception as a DipacoError (to pass to the other ranks instead of hanging them)."""
+    try:
+        return fn()
+    except DipacoError as exc:
+        return exc
+    except Exception as exc:
+        return DipacoError(f"writing the checkpoint failed on worker {rank}: {type(exc).__name__}: {exc}")
+
+
+def _write_part(tmp: Path, su: Setup, owned: list[str]) -> None:
+    checkpoint.write_modules(tmp, {m: su.modules[m] for m in owned})
+    checkpoint.write_trainees(tmp, {tr.index: tr.state(su.sync.keeps_local_weights) for tr in su.trainees})
+
+
+def _finish(run_dir: Path, r: int, tmp: Path, su: Setup, parts: list[dict]) -> None:
     outer_state = {k: v for p in parts for k, v in p["outer"].items()}
-    states = {i: s for p in parts for i, s in p["trainees"].items()}
     pending = {}
     for p in parts:
         for d in p["sync"]:
             pending.setdefault((d["started"], d["fragment"]), {**d, "grads": {}})["grads"].update(d["grads"])
-    checkpoint.save_round(run_dir, r, modules, outer_state, [states[i] for i in range(len(su.plan))],
-                          {"trainee_paths": [p for p, _ in su.plan]}, [pending[k] for k in sorted(pending)])
+    checkpoint.finish_round(run_dir, r, tmp, list(su.weights), outer_state, len(su.plan),
+                            {"trainee_paths": [p for p, _ in su.plan]}, [pending[k] for k in sorted(pending)])
 
 
 def _holders(su: Setup, m: str) -> list[int]:

@@ -42,3 +42,27 @@ def test_foreach_adamw_is_bit_identical_to_the_single_tensor_loop():
 
     for a, b in zip(train(False), train(True)):
         assert torch.equal(a, b)
+
+
+def test_round_written_by_several_workers_moves_latest_only_when_whole(tmp_path):
+    import pytest
+
+    from dipaco import checkpoint
+    from dipaco.errors import DipacoError
+
+    modules = {"a": {"w": torch.ones(2, 3)}, "b": {"w": torch.zeros(4)}}
+    states = {0: {"step": 1}, 1: {"step": 2}}
+    checkpoint.save_round(tmp_path, 0, modules, {}, [states[0], states[1]], {"trainee_paths": ["0", "1"]})
+    tmp = checkpoint.begin_round(tmp_path, 1)
+    checkpoint.write_modules(tmp, {"a": modules["a"]})          # worker 0's part
+    checkpoint.write_trainees(tmp, {0: states[0]})
+    with pytest.raises(DipacoError, match="must be shared"):   # worker 1's part never arrived
+        checkpoint.finish_round(tmp_path, 1, tmp, ["a", "b"], {}, 2, {"trainee_paths": ["0", "1"]})
+    assert checkpoint.latest_round(tmp_path) == 0
+    checkpoint.write_modules(tmp, {"b": modules["b"]})          # worker 1's part
+    checkpoint.write_trainees(tmp, {1: states[1]})
+    checkpoint.finish_round(tmp_path, 1, tmp, ["a", "b"], {}, 2, {"trainee_paths": ["0", "1"]})
+    assert checkpoint.latest_round(tmp_path) == 1 and not tmp.exists()
+    loaded = checkpoint.load_modules(tmp_path, 1)
+    assert torch.equal(loaded["a"]["w"], modules["a"]["w"]) and torch.equal(loaded["b"]["w"], modules["b"]["w"])
+    assert [s["step"] for s in checkpoint.load_state(tmp_path, 1)[1]] == [1, 2]
