@@ -84,48 +84,63 @@ def make_shards(work: Path, docs_per_file: int = 200) -> tuple[Path, str]:
 
 
 # ------------------------------------------------------------------------------------ bare loop
-def bare_loop(config: tuple, vocab: int, eos: int, tokens: np.ndarray, steps: int, warmup: int = 5, seed: int = 0) -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
+class BareLoop:
+    """A plain transformers training loop, one step at a time."""
 
-    hidden, layers, heads, inter, seq, batch = config
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=seq, tie_word_embeddings=True,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, attn_implementation="sdpa"))
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    data = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
-    gen = torch.Generator().manual_seed(seed)
+    def __init__(self, config: tuple, vocab: int, eos: int, tokens: np.ndarray, warmup: int = 5, seed: int = 0):
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-    def step() -> torch.Tensor:
-        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen).tolist()
-        x = torch.stack([data[s:s + seq + 1] for s in starts])
-        logits = model(input_ids=x[:, :-1]).logits
+        hidden, layers, heads, inter, self.seq, self.batch = config
+        torch.manual_seed(seed)
+        self.model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=self.seq,
+            tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, attn_implementation="sdpa"))
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        self.data = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+        self.gen = torch.Generator().manual_seed(seed)
+        self.parameters = sum(p.numel() for p in self.model.parameters())
+        self.steps, self.seconds, self.cpu_seconds = 0, 0.0, 0.0
+        for _ in range(warmup):
+            self._step()
+
+    def _step(self) -> torch.Tensor:
+        seq = self.seq
+        starts = torch.randint(0, len(self.data) - seq - 1, (self.batch,), generator=self.gen).tolist()
+        x = torch.stack([self.data[s:s + seq + 1] for s in starts])
+        logits = self.model(input_ids=x[:, :-1]).logits
         loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(warmup):
-        step()
-    began, cpu = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        loss = step()
-    loss.item()
-    seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
-    return {"steps": steps, "seconds": seconds, "tokens_per_s": steps * batch * seq / seconds,
-            "cpu_seconds": cpu, "tokens_per_cpu_s": steps * batch * seq / cpu,
-            "parameters": sum(p.numel() for p in model.parameters())}
+    def timed_steps(self, n: int) -> float:
+        """Take n timed steps; return their wall seconds."""
+        began, cpu = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            loss = self._step()
+        loss.item()
+        seconds = time.perf_counter() - began
+        self.steps, self.seconds, self.cpu_seconds = self.steps + n, self.seconds + seconds, self.cpu_seconds + time.process_time() - cpu
+        return seconds
+
+    def result(self) -> dict:
+        tokens = self.steps * self.batch * self.seq
+        return {"steps": self.steps, "seconds": self.seconds, "tokens_per_s": tokens / self.seconds,
+                "cpu_seconds": self.cpu_seconds, "tokens_per_cpu_s": tokens / self.cpu_seconds, "parameters": self.parameters}
 
 
 # --------------------------------------------------------------------------------------- worker
 class Timers:
     """Wrap functions of dipaco's modules to add up their wall time (restored on exit)."""
 
-    def __init__(self):
+    def __init__(self, paired: BareLoop | None = None):
+        self.paired = paired         # take one bare step after every worker inner step (not counted for the worker)
+        self.excluded = 0.0          # wall seconds of those bare steps
+        self.excluded_cpu = 0.0
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.marks: dict[str, float] = {}
@@ -157,6 +172,17 @@ class Timers:
 
         self.wrap(train_mod, "start_round", "setup_start_round", mark_end=True)
         self.wrap(train_mod, "inner_step", "inner_step")
+        if self.paired is not None:
+            timed_inner = train_mod.inner_step
+
+            def inner_then_bare(*args, **kwargs):
+                out = timed_inner(*args, **kwargs)
+                cpu = time.process_time()
+                self.excluded += self.paired.timed_steps(1)
+                self.excluded_cpu += time.process_time() - cpu
+                return out
+
+            train_mod.inner_step = inner_then_bare  # restored with the timed wrapper's undo entry
         self.wrap(BatchSampler, "next", "sampler")
         self.wrap(ModuleSync, "after_step", "sync_after_step")
         self.wrap(ModuleSync, "flush", "sync_flush")
@@ -172,7 +198,8 @@ class Timers:
             self._undo.clear()
 
 
-def worker_run(config: tuple, grid: str, shards: Path, run_dir: Path, rounds: int, H: int, val_batches: int) -> dict:
+def worker_run(config: tuple, grid: str, shards: Path, run_dir: Path, rounds: int, H: int, val_batches: int,
+               paired: BareLoop | None = None) -> dict:
     from dipaco.config import TrainConfig, resolve
     from dipaco.train import train
 
@@ -183,15 +210,15 @@ def worker_run(config: tuple, grid: str, shards: Path, run_dir: Path, rounds: in
         f"inner.batch_size={batch}", f'grid.shape="{grid}"', f"val_batches={val_batches}", "log_every=10",
         "checkpoint_every=1"], flags={"rounds": rounds, "inner_steps": H, "device": "cpu"})
     shutil.rmtree(run_dir, ignore_errors=True)
-    timers = Timers()
+    timers = Timers(paired)
     with timers.installed():
         began = time.perf_counter()
         train(cfg, shards, run_dir, progress=False)
         ended, ended_cpu = time.perf_counter(), time.process_time()
     trainees = len(json.loads((run_dir / "run.json").read_text())["trainees"])
     shutil.rmtree(run_dir, ignore_errors=True)
-    loop = ended - timers.marks["setup_start_round"]
-    loop_cpu = ended_cpu - timers.marks["setup_start_round_cpu"]
+    loop = ended - timers.marks["setup_start_round"] - timers.excluded
+    loop_cpu = ended_cpu - timers.marks["setup_start_round_cpu"] - timers.excluded_cpu
     tokens = rounds * H * trainees * batch * seq
     s = timers.seconds
     # the round-0 checkpoint is written inside start_round (setup): take it out of the per-round numbers
@@ -208,8 +235,8 @@ def worker_run(config: tuple, grid: str, shards: Path, run_dir: Path, rounds: in
     accounted = s["inner_step"] + per_round["outer step (sync)"] * rounds + s.get("validate", 0.0) + ckpt_round + s.get("metrics", 0.0)
     per_round["other"] = (loop - accounted) / rounds
     return {"trainees": trainees, "rounds": rounds, "H": H, "tokens": tokens, "loop_seconds": loop,
-            "total_seconds": ended - began, "tokens_per_s": tokens / loop,
-            "loop_cpu_seconds": loop_cpu, "tokens_per_cpu_s": tokens / loop_cpu, "tokens_per_s_with_setup": tokens / (ended - began),
+            "total_seconds": ended - began - timers.excluded, "tokens_per_s": tokens / loop,
+            "loop_cpu_seconds": loop_cpu, "tokens_per_cpu_s": tokens / loop_cpu, "tokens_per_s_with_setup": tokens / (ended - began - timers.excluded),
             "tokens_per_s_inner_steps_only": tokens / s["inner_step"],
             "round_seconds": loop / rounds, "per_round_seconds": per_round,
             "overhead_per_round_s": (loop - s["inner_step"]) / rounds}
@@ -225,6 +252,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny only, grid 1, 2 reps of 1 round")
     ap.add_argument("--configs", default="tiny,h256", help=f"comma list of {', '.join(CONFIGS)}")
     ap.add_argument("--grids", default="1", help="worker grids: '1' (one trainee, shards pooled) and/or '2x2' (4 trainees)")
+    ap.add_argument("--mode", choices=["paired", "alternate"], default="paired",
+                    help="paired: one bare step after every worker inner step, in the same process (robust to load); "
+                         "alternate: whole bare runs and whole worker runs take turns")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--H", type=int, default=100, help="inner steps per round")
@@ -250,14 +280,19 @@ def main(argv=None) -> int:
         for grid in args.grids.split(","):
             reps = []
             for rep in range(args.reps):
-                order = ("bare", "worker") if rep % 2 == 0 else ("worker", "bare")
                 got = {}
-                for side in order:
-                    if side == "worker":
-                        got["worker"] = worker_run(config, grid, shards_dir, work / "run", args.rounds, args.H, args.val_batches)
-                    else:
-                        steps = args.rounds * args.H * (4 if grid != "1" else 1)
-                        got["bare"] = bare_loop(config, shards.vocab_size, shards.eos_token_id, tokens, steps)
+                if args.mode == "paired":
+                    bare = BareLoop(config, shards.vocab_size, shards.eos_token_id, tokens, seed=rep)
+                    got["worker"] = worker_run(config, grid, shards_dir, work / "run", args.rounds, args.H, args.val_batches, bare)
+                    got["bare"] = bare.result()
+                else:
+                    for side in ("bare", "worker") if rep % 2 == 0 else ("worker", "bare"):
+                        if side == "worker":
+                            got["worker"] = worker_run(config, grid, shards_dir, work / "run", args.rounds, args.H, args.val_batches)
+                        else:
+                            bare = BareLoop(config, shards.vocab_size, shards.eos_token_id, tokens, seed=rep)
+                            bare.timed_steps(args.rounds * args.H * (4 if grid != "1" else 1))
+                            got["bare"] = bare.result()
                 got["ratio"] = got["worker"]["tokens_per_s"] / got["bare"]["tokens_per_s"]
                 got["ratio_cpu"] = got["worker"]["tokens_per_cpu_s"] / got["bare"]["tokens_per_cpu_s"]
                 got["ratio_inner_steps_only"] = got["worker"]["tokens_per_s_inner_steps_only"] / got["bare"]["tokens_per_s"]
@@ -282,7 +317,7 @@ def main(argv=None) -> int:
                 "round_seconds": median([r["worker"]["round_seconds"] for r in reps]),
                 "overhead_per_round_s": median([r["worker"]["overhead_per_round_s"] for r in reps]),
                 "per_round_seconds": breakdown, "reps": reps})
-    summary = {"H": args.H, "rounds": args.rounds, "reps": args.reps, "val_batches": args.val_batches,
+    summary = {"mode": args.mode, "H": args.H, "rounds": args.rounds, "reps": args.reps, "val_batches": args.val_batches,
                "threads": torch.get_num_threads(), "shards": source, "vocab_size": shards.vocab_size,
                "torch": torch.__version__, "load_average_at_end": os.getloadavg(), "cpu_count": os.cpu_count(),
                "seconds": time.perf_counter() - began, "results": results}
