@@ -1,6 +1,7 @@
 """Worker vs bare loop: tokens/s of one dipaco worker against a plain transformers training loop.
 
-    python bench/worker_speed.py [--quick] [--configs tiny,h256] [--grids 1,2x2] [--reps 3] [--rounds 2] [--H 100]
+    python bench/worker_speed.py [--quick] [--configs tiny,h128] [--grids 1,2x2] [--reps 3] [--rounds 2] [--H 100]
+                                 [--mode paired|alternate]
 
 Both sides train the same LlamaForCausalLM (same config, batch and sequence length) in this process,
 on one thread (``torch.set_num_threads(1)``; run with OMP_NUM_THREADS=1):
@@ -16,10 +17,14 @@ on one thread (``torch.set_num_threads(1)``; run with OMP_NUM_THREADS=1):
           (from the end of setup, i.e. after the round-0 checkpoint, to the return of train()), and
           also over the whole call including setup.
 
-The two sides alternate (bare, worker, worker, bare, ...) ``--reps`` times and the bare loop takes as
-many steps as the worker, so both see the same machine load; the table shows medians and the median of
-the per-rep ratios worker/bare. The worker's time is broken down by timing wrappers around dipaco's
-own functions (inner_step, the sampler, validate, save_round, the outer step in ModuleSync, metrics).
+``--mode paired`` (default) takes one bare step right after every inner step of the worker, in the same
+process, and takes the bare steps' time out of the worker's: both sides see the same machine load at a
+granularity of one step, which is what makes the ratio usable on a shared, loaded machine.
+``--mode alternate`` runs whole bare loops (as many steps as the worker) and whole worker runs in turns
+(bare, worker, worker, bare, ...). Each of ``--reps`` repetitions uses a fresh bare model and run; the
+table shows medians and the median of the per-rep ratios worker/bare, over wall time and over CPU time
+of the process. The worker's time is broken down by timing wrappers around dipaco's own functions
+(inner_step, the sampler, validate, save_round, the outer step in ModuleSync, metrics).
 
 Shards: a 2x2 shard directory made once with ``dipaco shard`` from the first documents of every file
 of ``$DIPACO_CORPUS`` or ``../shared/corpus`` or, when that is absent, from the default corpus
@@ -250,7 +255,7 @@ def median(xs):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny only, grid 1, 2 reps of 1 round")
-    ap.add_argument("--configs", default="tiny,h256", help=f"comma list of {', '.join(CONFIGS)}")
+    ap.add_argument("--configs", default="tiny,h128", help=f"comma list of {', '.join(CONFIGS)}")
     ap.add_argument("--grids", default="1", help="worker grids: '1' (one trainee, shards pooled) and/or '2x2' (4 trainees)")
     ap.add_argument("--mode", choices=["paired", "alternate"], default="paired",
                     help="paired: one bare step after every worker inner step, in the same process (robust to load); "
