@@ -10,10 +10,17 @@
 Round 0 holds the initial weights. A round directory is written under a temporary name and renamed
 into place, so a crash leaves the previous complete round intact. Loading uses safetensors, JSON and
 ``torch.load(weights_only=True)`` only: nothing is unpickled.
+
+Several workers write one round together: ``begin_round`` (rank 0) makes the temporary directory,
+every worker writes its own modules and trainee states into it (``write_modules``, ``write_trainees``),
+and ``finish_round`` (rank 0, after every worker is done) adds the outer state, the streamed reductions
+and ``meta.json``, checks that every module and trainee file is there, renames the directory into place
+and only then moves ``latest``. ``save_round`` does all of it in one process.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -22,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dipaco.errors import DipacoError
-from dipaco.io import atomic_dir, atomic_write_text, read_json, write_json
+from dipaco.io import atomic_write_text, commit_dir, read_json, write_json
 
 
 def round_dir(run: str | Path, r: int) -> Path:
@@ -31,21 +38,58 @@ def round_dir(run: str | Path, r: int) -> Path:
 
 def save_round(run: str | Path, r: int, modules: dict[str, dict[str, torch.Tensor]], outer_state: dict[str, torch.Tensor],
                trainee_states: list[dict], meta: dict, sync_state: list | None = None) -> Path:
+    tmp = begin_round(run, r)
+    try:
+        write_modules(tmp, modules)
+        write_trainees(tmp, dict(enumerate(trainee_states)))
+        return finish_round(run, r, tmp, list(modules), outer_state, len(trainee_states), meta, sync_state)
+    except BaseException:
+        abort_round(tmp)
+        raise
+
+
+def begin_round(run: str | Path, r: int) -> Path:
+    """Create (afresh) the temporary directory of round ``r``; return it."""
     final = round_dir(run, r)
-    with atomic_dir(final, overwrite=True) as tmp:
-        (tmp / "modules").mkdir()
-        (tmp / "state").mkdir()
-        for m, tensors in modules.items():
-            save_file({n: t.detach().contiguous().clone() for n, t in tensors.items()},
-                      str(tmp / "modules" / f"{m}.safetensors"))
-        save_file({k: v.contiguous() for k, v in outer_state.items()}, str(tmp / "state" / "outer.safetensors"))
-        for i, state in enumerate(trainee_states):
-            torch.save(state, tmp / "state" / f"trainee_{i}.pt")
-        if sync_state:
-            torch.save(sync_state, tmp / "state" / "sync.pt")
-        write_json(tmp / "state" / "meta.json", {"round": r, "modules": list(modules), **meta})
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (tmp / "modules").mkdir(parents=True)
+    (tmp / "state").mkdir()
+    return tmp
+
+
+def write_modules(tmp: Path, modules: dict[str, dict[str, torch.Tensor]]) -> None:
+    for m, tensors in modules.items():
+        save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(tmp / "modules" / f"{m}.safetensors"))
+
+
+def write_trainees(tmp: Path, states: dict[int, dict]) -> None:
+    for i, state in states.items():
+        torch.save(state, tmp / "state" / f"trainee_{i}.pt")
+
+
+def finish_round(run: str | Path, r: int, tmp: Path, modules: list[str], outer_state: dict[str, torch.Tensor],
+                 num_trainees: int, meta: dict, sync_state: list | None = None) -> Path:
+    """Complete a round whose module and trainee files are written; rename it into place, move ``latest``."""
+    missing = [f"modules/{m}.safetensors" for m in modules if not (tmp / "modules" / f"{m}.safetensors").is_file()]
+    missing += [f"state/trainee_{i}.pt" for i in range(num_trainees) if not (tmp / "state" / f"trainee_{i}.pt").is_file()]
+    if missing:
+        raise DipacoError(f"checkpoint {tmp} lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} after every "
+                          f"worker wrote its part; with workers on several machines the run directory must be shared")
+    save_file({k: v.detach().cpu().contiguous() for k, v in outer_state.items()}, str(tmp / "state" / "outer.safetensors"))
+    if sync_state:
+        torch.save(sync_state, tmp / "state" / "sync.pt")
+    write_json(tmp / "state" / "meta.json", {"round": r, "modules": list(modules), **meta})
+    final = round_dir(run, r)
+    commit_dir(tmp, final)
     atomic_write_text(Path(run) / "checkpoints" / "latest", f"round_{r}\n")
     return final
+
+
+def abort_round(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def remove_partial_rounds(run: str | Path) -> list[str]:

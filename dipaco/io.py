@@ -32,6 +32,12 @@ def atomic_dir(final: str | Path, overwrite: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    commit_dir(tmp, final)
+
+
+def commit_dir(tmp: str | Path, final: str | Path) -> None:
+    """Rename a complete temporary directory to ``final`` (replacing an existing one only now)."""
+    tmp, final = Path(tmp), Path(final)
     if final.exists():
         old = final.parent / f".{final.name}.old-{os.getpid()}"
         os.replace(final, old)
