@@ -29,7 +29,7 @@ def cmd_shard(args) -> None:
     print(f"wrote {args.out} in {manifest['seconds']:.1f} s: {manifest['train_documents']} training, "
           f"{manifest['heldout_documents']} held-out and {manifest['router_documents']} router documents on grid "
           f"{manifest['grid']}, vocabulary {manifest['vocab_size']}; dropped {manifest['dropped']}, "
-          f"truncated {manifest['truncated']}")
+          f"truncated {manifest['truncated']}, invalid UTF-8 replaced in {manifest['invalid_utf8']}")
     print_paths(manifest)
     pur = purity(manifest["labels_per_path"])["overall"]
     if pur is not None:

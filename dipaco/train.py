@@ -239,7 +239,7 @@ def build(cfg: TrainConfig, shards: ShardSet, grid: Grid, world, device: torch.d
     modules = {m: t for m, t in every.items() if m in held}
     del every
     if cfg.init_from:
-        init_from_dense(modules, cfg.init_from)
+        init_from_dense(modules, cfg.init_from, shards)
     modules = {m: {n: t.to(device) for n, t in ts.items()} for m, ts in modules.items()}
     outer = OuterOptimizer(modules, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
     sync = ModuleSync(cfg, modules, outer, trainees, weights, {m: len(grid.paths_through(m)) for m in modules}, world)

@@ -81,7 +81,8 @@ def scan(inputs: list[str], cfg: ShardConfig, progress: bool = True) -> dict:
     sample: list[tuple[str, str | None]] = []
     counts = {"documents": 0, "train": 0, "heldout": 0, "router": 0}
     bar = tqdm(desc="scan", unit="doc", disable=not progress, dynamic_ncols=True)
-    for text, label in iter_rows(inputs, d.text_column, d.label_column, d.split):
+    read = {"invalid_utf8": 0}
+    for text, label in iter_rows(inputs, d.text_column, d.label_column, d.split, stats=read):
         text = filt(text)
         bar.update(1)
         if text is None:
@@ -111,7 +112,8 @@ def scan(inputs: list[str], cfg: ShardConfig, progress: bool = True) -> dict:
     if counts["documents"] == 0:
         raise DipacoError(f"no usable documents in {', '.join(inputs)} (dropped: {filt.report()}); "
                           f"check --text-column and --min-chars")
-    return {"roles": roles, "sample": sample, "counts": counts, "dropped": filt.report()}
+    return {"roles": roles, "sample": sample, "counts": counts, "dropped": filt.report(),
+            "invalid_utf8": read["invalid_utf8"]}
 
 
 def _tokenizer_texts(sample: list[tuple[str, str | None]], limit_chars: int) -> list[str]:
@@ -337,7 +339,8 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
             "heldout_documents": counts["heldout"], "router_documents": counts["router"],
             "tokens": sum(s["train_tokens"] + s["val_tokens"] for s in stats.values()),
             "dropped": {k: v for k, v in scanned["dropped"].items() if k != "truncated"},
-            "truncated": scanned["dropped"]["truncated"], "inputs": input_info,
+            "truncated": scanned["dropped"]["truncated"], "invalid_utf8": scanned["invalid_utf8"],
+            "inputs": input_info,
             "path_sizes": histogram(sizes),
             "assignment": {"balance": r.balance, "capacity": capacity, "spilled": assigner.spilled,
                            "overlap": r.overlap, "overlap_copies": assigner.overlap_copies},
