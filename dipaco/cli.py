@@ -162,6 +162,10 @@ def cmd_generate(args) -> None:
 def cmd_export(args) -> None:
     from dipaco.eval.api import load
 
+    if args.quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
     rr = load(args.run, args.shards)
     out = rr.export(rr.check_path(args.path), args.out, args.round, args.overwrite)
     loaded, total = rr.bytes_of([args.path], args.round)

@@ -66,10 +66,10 @@ def _tokenizer_model(directory: Path) -> dict | None:
     return read_json(f, "tokenizer").get("model")
 
 
-def _check_tokenizer(src: Path, same: bool, other_dir) -> None:
+def _check_tokenizer(src: Path, same: bool, shards_dir, tokenizer_dir) -> None:
     if not same:
-        raise DipacoError(f"--init-from {src} was trained with another tokenizer than --shards ({other_dir}); "
-                          f"its token ids mean other strings: re-shard with --tokenizer of the dense model's shards")
+        raise DipacoError(f"--init-from {src} was trained with another tokenizer than --shards {shards_dir} "
+                          f"(its token ids mean other strings); re-shard with --tokenizer {tokenizer_dir}")
 
 
 def dense_weights(source: str | Path, shards=None) -> dict:
@@ -87,13 +87,13 @@ def dense_weights(source: str | Path, shards=None) -> dict:
                               f"pass a run trained with --grid 1 or a Hugging Face Llama directory")
         if shards is not None:
             _check_tokenizer(src, run.info.get("tokenizer_sha256") == shards.manifest["tokenizer"]["sha256"],
-                             shards.root)
+                             shards.root, Path(run.info.get("shards_dir", "SHARDS")) / "tokenizer")
         model = run.path_model(run.grid.paths[0])
         return {n: p.detach().float() for n, p in model.model.named_parameters()}
     if (src / "config.json").is_file():
         theirs = _tokenizer_model(src)
         if shards is not None and theirs is not None:
-            _check_tokenizer(src, theirs == _tokenizer_model(shards.root / "tokenizer"), shards.root)
+            _check_tokenizer(src, theirs == _tokenizer_model(shards.root / "tokenizer"), shards.root, src)
         try:  # safetensors only: a pickled checkpoint (pytorch_model.bin) is never loaded
             model = LlamaForCausalLM.from_pretrained(src, torch_dtype=torch.float32, use_safetensors=True)
         except (OSError, ValueError) as exc:

@@ -36,7 +36,7 @@ from dipaco.routing import Router
 from dipaco.routing.router import BaseRouter
 from dipaco.shards import FORMAT, FORMAT_VERSION
 from dipaco.sharding.sources import DocumentFilter, describe_inputs, iter_rows
-from dipaco.sharding.tokenizer import encode, load_tokenizer, train_tokenizer
+from dipaco.sharding.tokenizer import encode, load_tokenizer, tokenizer_sha256, train_tokenizer
 
 SAMPLE_CHARS = 4096  # a sampled document keeps this many characters (tokenizer training, router fit)
 DROPPED, TRAIN, HELDOUT, ROUTER = 0, 1, 2, 3
@@ -329,7 +329,7 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
         t_write = time.perf_counter() - began
 
         stats, labels = writer.stats, writer.labels
-        tokenizer_hash, router_hash = sha256_dir(tmp / "tokenizer"), sha256_dir(tmp / "router")
+        tokenizer_hash, router_hash = tokenizer_sha256(tmp / "tokenizer"), sha256_dir(tmp / "router")
         fingerprint = hashlib.sha256(json.dumps([tokenizer_hash, router_hash, stats], sort_keys=True).encode()).hexdigest()
         sizes = [s["train_docs"] + s["val_docs"] for s in stats.values()]
         manifest = {
