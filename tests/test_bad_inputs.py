@@ -185,7 +185,7 @@ _files = st.one_of(
 )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(content=_files, suffix=st.sampled_from([".jsonl", ".json", ".csv", ".txt", ".jsonl.gz", ".csv.gz"]),
        compress=st.booleans())
 def test_corpus_reader_fuzz(tmp_path, content, suffix, compress):
@@ -202,8 +202,8 @@ def test_corpus_reader_fuzz(tmp_path, content, suffix, compress):
 _shard_cache: dict = {}
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(values=st.lists(_json_values, max_size=8), real=st.integers(0, 12))
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(values=st.lists(_json_values, max_size=8), real=st.integers(0, 8))
 def test_shard_stage_fuzz(docs, shards_2x2, tmp_path_factory, values, real):
     """Whole shard runs on fuzzed records mixed with real ones: a complete directory or a DipacoError and no
     directory at all (nothing half-written)."""
