@@ -92,9 +92,11 @@ def cmd_train(args) -> None:
         "comm.simulate_mbit": args.simulate_bandwidth, "comm.simulate_latency_ms": args.simulate_latency})
     if args.workers:
         from dipaco.launch import launch_local
-        from dipaco.shards import ShardSet
+        from dipaco.train import preflight
 
-        ShardSet(args.shards)  # bad input fails here, with exit code 2, before any worker starts
+        if args.workers < 1:
+            raise DipacoError(f"--workers must be >= 1, got {args.workers}")
+        preflight(cfg, args.shards, args.out, args.resume, args.workers)  # bad input: exit code 2, no worker started
         return launch_local(args.workers, _without_workers(args.argv), args.max_restarts)
     summary = train(cfg, args.shards, args.out, resume=args.resume, progress=not args.quiet)
     import os

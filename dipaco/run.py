@@ -72,13 +72,9 @@ def _check_tokenizer(src: Path, same: bool, shards_dir, tokenizer_dir) -> None:
                           f"(its token ids mean other strings); re-shard with --tokenizer {tokenizer_dir}")
 
 
-def dense_weights(source: str | Path, shards=None) -> dict:
-    """Parameters of a dense model to start every module from: a dipaco '--grid 1' run (its latest
-    round) or a Hugging Face Llama directory. Keyed by Hugging Face parameter names. With ``shards``
-    (the ShardSet being trained on) the source's tokenizer must be the shards' tokenizer."""
-    import torch
-    from transformers import LlamaForCausalLM
-
+def check_dense_source(source: str | Path, shards=None) -> "Run | None":
+    """Check an --init-from source without loading its weights: a dense dipaco run (returned) or a Hugging
+    Face directory (None); with ``shards`` (the ShardSet being trained on) its tokenizer must be theirs."""
     src = Path(source)
     if (src / "run.json").is_file():
         run = Run(src)
@@ -88,20 +84,35 @@ def dense_weights(source: str | Path, shards=None) -> dict:
         if shards is not None:
             _check_tokenizer(src, run.info.get("tokenizer_sha256") == shards.manifest["tokenizer"]["sha256"],
                              shards.root, Path(run.info.get("shards_dir", "SHARDS")) / "tokenizer")
-        model = run.path_model(run.grid.paths[0])
-        return {n: p.detach().float() for n, p in model.model.named_parameters()}
+        return run
     if (src / "config.json").is_file():
         theirs = _tokenizer_model(src)
         if shards is not None and theirs is not None:
             _check_tokenizer(src, theirs == _tokenizer_model(shards.root / "tokenizer"), shards.root, src)
-        try:  # safetensors only: a pickled checkpoint (pytorch_model.bin) is never loaded
-            model = LlamaForCausalLM.from_pretrained(src, torch_dtype=torch.float32, use_safetensors=True)
-        except (OSError, ValueError) as exc:
-            raise DipacoError(f"--init-from {src}: not a loadable Hugging Face Llama directory ({exc}); "
-                              f"pass a directory with config.json and model weights") from None
-        return {n: p.detach().float() for n, p in model.named_parameters()}
+        return None
     raise DipacoError(f"--init-from {src}: neither a dipaco run (run.json) nor a Hugging Face directory (config.json); "
                       f"pass one of those")
+
+
+def dense_weights(source: str | Path, shards=None) -> dict:
+    """Parameters of a dense model to start every module from: a dipaco '--grid 1' run (its latest
+    round) or a Hugging Face Llama directory. Keyed by Hugging Face parameter names. With ``shards``
+    (the ShardSet being trained on) the source's tokenizer must be the shards' tokenizer."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    src = Path(source)
+    run = check_dense_source(src, shards)
+    if run is not None:
+        model = run.path_model(run.grid.paths[0])
+        return {n: p.detach().float() for n, p in model.model.named_parameters()}
+    try:  # safetensors only: a pickled checkpoint (pytorch_model.bin) is never loaded
+        model = LlamaForCausalLM.from_pretrained(src, torch_dtype=torch.float32, use_safetensors=True)
+    except (OSError, ValueError) as exc:
+        raise DipacoError(f"--init-from {src}: not a loadable Hugging Face Llama directory "
+                          f"({(str(exc).splitlines() or [''])[0][:300]}); "
+                          f"pass a directory with config.json and model weights") from None
+    return {n: p.detach().float() for n, p in model.named_parameters()}
 
 
 def init_from_dense(modules: dict, source: str | Path, shards=None) -> None:

@@ -257,11 +257,26 @@ def test_resume_on_other_shards(small_runs, other_shards, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(small_runs / "dipaco", run)
     for other in ("tok", "router"):
-        assert main(["train", "--shards", str(other_shards[other]), "--out", str(run), "--resume", "--quiet",
-                     "--rounds", "2", "--inner-steps", "2", *_sets()]) == 2
-        err = _one_error_line(capsys, "train")
-        assert f"cannot resume {run}: it was trained on other shards" in err and "pass those --shards" in err
+        for workers in ([], ["--workers", "2"]):  # --workers: checked once before torchrun starts any worker
+            assert main(["train", "--shards", str(other_shards[other]), "--out", str(run), "--resume", "--quiet",
+                         "--rounds", "2", "--inner-steps", "2", *_sets(), *workers]) == 2
+            err = _one_error_line(capsys, "train")
+            assert f"cannot resume {run}: it was trained on other shards" in err and "pass those --shards" in err
     assert not (run / "checkpoints" / "round_2").exists()
+
+
+def test_workers_preflight(small_runs, shards_2x2, tmp_path, capsys):
+    """`--workers N` checks its inputs before launching torchrun: one line, exit code 2, no worker started."""
+    base = ["train", "--shards", str(shards_2x2), "--quiet", "--rounds", "2", "--inner-steps", "2", *_sets()]
+    assert main([*base, "--out", str(small_runs / "dipaco"), "--workers", "2"]) == 2
+    assert "already holds a run (round 1); pass --resume" in _one_error_line(capsys, "train")
+    assert main([*base, "--out", str(tmp_path / "r"), "--workers", "5"]) == 2
+    assert "5 workers but only 4 trainees" in _one_error_line(capsys, "train")
+    assert main([*base, "--out", str(small_runs / "dipaco"), "--workers", "2", "--resume", "--set", "model.num_layers=2"]) == 2
+    assert "config 'model' differs" in _one_error_line(capsys, "train")
+    assert main([*base, "--out", str(tmp_path / "r"), "--workers", "2", "--set", "grid.level_sizes=[1, 1]"]) == 2
+    assert "level_sizes" in _one_error_line(capsys, "train")
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("other,needle", [("tok", "trained with another tokenizer than"),
