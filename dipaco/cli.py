@@ -29,7 +29,7 @@ def cmd_shard(args) -> None:
     print(f"wrote {args.out} in {manifest['seconds']:.1f} s: {manifest['train_documents']} training, "
           f"{manifest['heldout_documents']} held-out and {manifest['router_documents']} router documents on grid "
           f"{manifest['grid']}, vocabulary {manifest['vocab_size']}; dropped {manifest['dropped']}, "
-          f"truncated {manifest['truncated']}")
+          f"truncated {manifest['truncated']}, invalid UTF-8 replaced in {manifest['invalid_utf8']}")
     print_paths(manifest)
     pur = purity(manifest["labels_per_path"])["overall"]
     if pur is not None:
@@ -92,9 +92,11 @@ def cmd_train(args) -> None:
         "comm.simulate_mbit": args.simulate_bandwidth, "comm.simulate_latency_ms": args.simulate_latency})
     if args.workers:
         from dipaco.launch import launch_local
-        from dipaco.shards import ShardSet
+        from dipaco.train import preflight
 
-        ShardSet(args.shards)  # bad input fails here, with exit code 2, before any worker starts
+        if args.workers < 1:
+            raise DipacoError(f"--workers must be >= 1, got {args.workers}")
+        preflight(cfg, args.shards, args.out, args.resume, args.workers)  # bad input: exit code 2, no worker started
         return launch_local(args.workers, _without_workers(args.argv), args.max_restarts)
     summary = train(cfg, args.shards, args.out, resume=args.resume, progress=not args.quiet)
     import os
@@ -162,6 +164,10 @@ def cmd_generate(args) -> None:
 def cmd_export(args) -> None:
     from dipaco.eval.api import load
 
+    if args.quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
     rr = load(args.run, args.shards)
     out = rr.export(rr.check_path(args.path), args.out, args.round, args.overwrite)
     loaded, total = rr.bytes_of([args.path], args.round)

@@ -58,34 +58,66 @@ class Run:
         return model
 
 
-def dense_weights(source: str | Path) -> dict:
-    """Parameters of a dense model to start every module from: a dipaco '--grid 1' run (its latest
-    round) or a Hugging Face Llama directory. Keyed by Hugging Face parameter names."""
-    import torch
-    from transformers import LlamaForCausalLM
+def _tokenizer_model(directory: Path) -> dict | None:
+    """The vocabulary and merges of a Hugging Face fast tokenizer directory (None when it has none)."""
+    f = directory / "tokenizer.json"
+    if not f.is_file():
+        return None
+    return read_json(f, "tokenizer").get("model")
 
+
+def _check_tokenizer(src: Path, same: bool, shards_dir, tokenizer_dir) -> None:
+    if not same:
+        raise DipacoError(f"--init-from {src} was trained with another tokenizer than --shards {shards_dir} "
+                          f"(its token ids mean other strings); re-shard with --tokenizer {tokenizer_dir}")
+
+
+def check_dense_source(source: str | Path, shards=None) -> "Run | None":
+    """Check an --init-from source without loading its weights: a dense dipaco run (returned) or a Hugging
+    Face directory (None); with ``shards`` (the ShardSet being trained on) its tokenizer must be theirs."""
     src = Path(source)
     if (src / "run.json").is_file():
         run = Run(src)
         if not run.is_dense:
             raise DipacoError(f"--init-from {src}: run has grid {run.info['grid']}, not a dense model; "
                               f"pass a run trained with --grid 1 or a Hugging Face Llama directory")
-        model = run.path_model(run.grid.paths[0])
-        return {n: p.detach().float() for n, p in model.model.named_parameters()}
+        if shards is not None:
+            _check_tokenizer(src, run.info.get("tokenizer_sha256") == shards.manifest["tokenizer"]["sha256"],
+                             shards.root, Path(run.info.get("shards_dir", "SHARDS")) / "tokenizer")
+        return run
     if (src / "config.json").is_file():
-        try:
-            model = LlamaForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
-        except (OSError, ValueError) as exc:
-            raise DipacoError(f"--init-from {src}: not a loadable Hugging Face Llama directory ({exc}); "
-                              f"pass a directory with config.json and model weights") from None
-        return {n: p.detach().float() for n, p in model.named_parameters()}
+        theirs = _tokenizer_model(src)
+        if shards is not None and theirs is not None:
+            _check_tokenizer(src, theirs == _tokenizer_model(shards.root / "tokenizer"), shards.root, src)
+        return None
     raise DipacoError(f"--init-from {src}: neither a dipaco run (run.json) nor a Hugging Face directory (config.json); "
                       f"pass one of those")
 
 
-def init_from_dense(modules: dict, source: str | Path) -> None:
+def dense_weights(source: str | Path, shards=None) -> dict:
+    """Parameters of a dense model to start every module from: a dipaco '--grid 1' run (its latest
+    round) or a Hugging Face Llama directory. Keyed by Hugging Face parameter names. With ``shards``
+    (the ShardSet being trained on) the source's tokenizer must be the shards' tokenizer."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    src = Path(source)
+    run = check_dense_source(src, shards)
+    if run is not None:
+        model = run.path_model(run.grid.paths[0])
+        return {n: p.detach().float() for n, p in model.model.named_parameters()}
+    try:  # safetensors only: a pickled checkpoint (pytorch_model.bin) is never loaded
+        model = LlamaForCausalLM.from_pretrained(src, torch_dtype=torch.float32, use_safetensors=True)
+    except (OSError, ValueError) as exc:
+        raise DipacoError(f"--init-from {src}: not a loadable Hugging Face Llama directory "
+                          f"({(str(exc).splitlines() or [''])[0][:300]}); "
+                          f"pass a directory with config.json and model weights") from None
+    return {n: p.detach().float() for n, p in model.named_parameters()}
+
+
+def init_from_dense(modules: dict, source: str | Path, shards=None) -> None:
     """Overwrite every module's tensors, in place, with the dense model's tensors of the same name."""
-    dense = dense_weights(source)
+    dense = dense_weights(source, shards)
     for m, tensors in modules.items():
         for n, t in tensors.items():
             if n not in dense:

@@ -34,10 +34,10 @@ from dipaco.comm import make_world
 from dipaco.config import InnerConfig, TrainConfig, from_dict, read_toml, to_dict, to_toml
 from dipaco.errors import DipacoError
 from dipaco.grid import Grid, format_grid, parse_grid
-from dipaco.io import atomic_write_text, write_json
+from dipaco.io import atomic_write_text, read_json, write_json
 from dipaco.model import PathModel, count_parameters, init_modules, llama_config, new_model
 from dipaco.outer import OuterOptimizer, module_weights
-from dipaco.run import build_grid, init_from_dense
+from dipaco.run import build_grid, check_dense_source, init_from_dense
 from dipaco.sync import ModuleSync
 from dipaco.shards import BatchSampler, ShardSet
 
@@ -191,24 +191,43 @@ def validate(modules, val_models: dict[str, PathModel], val_windows: dict[str, t
 _COMPATIBLE_SECTIONS = ("model", "grid", "inner", "outer", "streaming", "seed")
 
 
-def prepare_run(cfg: TrainConfig, run_dir: Path, resume: bool, shards: ShardSet, grid: Grid) -> int:
-    """Check or create the run directory; return the round to start from."""
+def check_resumable(cfg: TrainConfig, run_dir: Path, resume: bool, shards: ShardSet) -> int:
+    """The round a run in ``run_dir`` would start from, or the error that says why it cannot (no side effects)."""
     latest = checkpoint.latest_round(run_dir) if run_dir.exists() else None
     if latest is not None and not resume:
         raise DipacoError(f"{run_dir} already holds a run (round {latest}); pass --resume to continue it or choose another --out")
     if latest is None:
         return 0
-    checkpoint.remove_partial_rounds(run_dir)
     old = to_dict(from_dict(TrainConfig, read_toml(run_dir / "config.toml")))
     new = to_dict(cfg)
     for key in _COMPATIBLE_SECTIONS:
         if old[key] != new[key]:
             raise DipacoError(f"cannot resume {run_dir}: its config '{key}' differs from the one given; "
                               f"resume with the run's own config ({run_dir / 'config.toml'}) or train into a new --out")
-    info = json.loads((run_dir / "run.json").read_text())
+    info = read_json(run_dir / "run.json", "run description")
     if info["shards_fingerprint"] != shards.fingerprint:
         raise DipacoError(f"cannot resume {run_dir}: it was trained on other shards ({info['shards_dir']}); pass those --shards")
     return latest
+
+
+def prepare_run(cfg: TrainConfig, run_dir: Path, resume: bool, shards: ShardSet, grid: Grid) -> int:
+    """Check or create the run directory; return the round to start from."""
+    latest = check_resumable(cfg, run_dir, resume, shards)
+    if latest:
+        checkpoint.remove_partial_rounds(run_dir)
+    return latest
+
+
+def preflight(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume: bool, workers: int) -> None:
+    """Every check a worker would make on its inputs, made once before ``--workers`` launches torchrun, so that
+    bad input gets one line and exit code 2 instead of an error per worker and a launcher traceback."""
+    shards = ShardSet(shards_dir)
+    grid = build_grid(cfg, cfg.grid.shape or shards.grid)
+    assign(len(plan_trainees(grid, shards, cfg)), workers)
+    resolve_device(cfg.device)
+    check_resumable(cfg, Path(run_dir), resume, shards)
+    if cfg.init_from:
+        check_dense_source(cfg.init_from, shards)
 
 
 @dataclass
@@ -243,7 +262,7 @@ def build(cfg: TrainConfig, shards: ShardSet, grid: Grid, world, device: torch.d
     modules = {m: t for m, t in every.items() if m in held}
     del every
     if cfg.init_from:
-        init_from_dense(modules, cfg.init_from)
+        init_from_dense(modules, cfg.init_from, shards)
     modules = {m: {n: t.to(device) for n, t in ts.items()} for m, ts in modules.items()}
     outer = OuterOptimizer(modules, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
     sync = ModuleSync(cfg, modules, outer, trainees, weights, {m: len(grid.paths_through(m)) for m in modules}, world)

@@ -49,8 +49,8 @@ def heldout_tokens(shards: ShardSet, max_tokens: int) -> tuple[list[dict], list[
 
 def check_compatible(run: Run, shards: ShardSet) -> None:
     if run.info.get("tokenizer_sha256") != shards.manifest["tokenizer"]["sha256"]:
-        raise DipacoError(f"run {run.root} was trained with another tokenizer than {shards.root}; evaluate it on its own shards "
-                          f"({run.info.get('shards_dir')})")
+        raise DipacoError(f"run {run.root} was trained with another tokenizer than {shards.root}; evaluate it with its own "
+                          f"--shards {run.info.get('shards_dir')}")
     if not run.is_dense and run.info.get("shards_fingerprint") != shards.fingerprint:
         raise DipacoError(f"run {run.root} was trained on other shards (another router) than {shards.root}; "
                           f"evaluate it with --shards {run.info.get('shards_dir')}")

@@ -164,7 +164,8 @@ def reshard(run_dir: str | Path, shards_dir: str | Path, out: str | Path, target
                     fh.write(json.dumps({**r, "path": path}, ensure_ascii=False) + "\n")
 
         stats = writer.stats
-        tokenizer_hash, router_hash = sha256_dir(tmp / "tokenizer"), sha256_dir(tmp / "router")
+        # the tokenizer is copied byte for byte: keep its hash (whatever definition the source shards used)
+        tokenizer_hash, router_hash = shards.manifest["tokenizer"]["sha256"], sha256_dir(tmp / "router")
         fingerprint = hashlib.sha256(json.dumps([tokenizer_hash, router_hash, stats], sort_keys=True).encode()).hexdigest()
         report = {**scores, "moved_share": moved / total if total else 0.0, "moved_documents": moved,
                   "documents": total, "seconds": round(time.perf_counter() - began, 2)}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Iterable
 
@@ -43,3 +45,11 @@ def load_tokenizer(directory: str | Path) -> PreTrainedTokenizerFast:
 def encode(tok: PreTrainedTokenizerFast, texts: list[str]) -> list[list[int]]:
     """Token ids of each text, no special tokens (batched in Rust, on all cores)."""
     return [e.ids for e in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+def tokenizer_sha256(directory: str | Path) -> str:
+    """Content hash of a saved tokenizer: its tokenizer.json (vocabulary, merges, pre-tokenizer, special
+    tokens) as canonical JSON. Loading and saving a tokenizer again (``--tokenizer DIR``) keeps the hash;
+    tokenizer_config.json gains bookkeeping fields on a round trip, so it is left out."""
+    data = json.loads((Path(directory) / "tokenizer.json").read_text(encoding="utf-8"))
+    return hashlib.sha256(json.dumps(data, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()

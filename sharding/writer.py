@@ -38,7 +38,7 @@ from dipaco.routing import Router
 from dipaco.routing.router import BaseRouter
 from dipaco.shards import FORMAT, FORMAT_VERSION
 from dipaco.sharding.sources import DocumentFilter, describe_inputs, iter_rows
-from dipaco.sharding.tokenizer import encode, load_tokenizer, train_tokenizer
+from dipaco.sharding.tokenizer import encode, load_tokenizer, tokenizer_sha256, train_tokenizer
 
 SAMPLE_CHARS = 4096  # a sampled document keeps this many characters (tokenizer training, router fit)
 DROPPED, TRAIN, HELDOUT, ROUTER = 0, 1, 2, 3
@@ -84,7 +84,8 @@ def scan(inputs: list[str], cfg: ShardConfig, progress: bool = True) -> dict:
     counts = {"documents": 0, "train": 0, "heldout": 0, "router": 0}
     aside: dict[int, list[int]] = {HELDOUT: [], ROUTER: []}  # record numbers of the candidates
     bar = tqdm(desc="scan", unit="doc", disable=not progress, dynamic_ncols=True)
-    for text, label in iter_rows(inputs, d.text_column, d.label_column, d.split):
+    read = {"invalid_utf8": 0}
+    for text, label in iter_rows(inputs, d.text_column, d.label_column, d.split, stats=read):
         text = filt(text)
         bar.update(1)
         if text is None:
@@ -126,7 +127,8 @@ def scan(inputs: list[str], cfg: ShardConfig, progress: bool = True) -> dict:
     if counts["documents"] == 0:
         raise DipacoError(f"no usable documents in {', '.join(inputs)} (dropped: {filt.report()}); "
                           f"check --text-column and --min-chars")
-    return {"roles": roles, "sample": sample, "counts": counts, "dropped": filt.report()}
+    return {"roles": roles, "sample": sample, "counts": counts, "dropped": filt.report(),
+            "invalid_utf8": read["invalid_utf8"]}
 
 
 def _tokenizer_texts(sample: list[tuple[str, str | None]], limit_chars: int) -> list[str]:
@@ -342,7 +344,7 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
         t_write = time.perf_counter() - began
 
         stats, labels = writer.stats, writer.labels
-        tokenizer_hash, router_hash = sha256_dir(tmp / "tokenizer"), sha256_dir(tmp / "router")
+        tokenizer_hash, router_hash = tokenizer_sha256(tmp / "tokenizer"), sha256_dir(tmp / "router")
         fingerprint = hashlib.sha256(json.dumps([tokenizer_hash, router_hash, stats], sort_keys=True).encode()).hexdigest()
         sizes = [s["train_docs"] + s["val_docs"] for s in stats.values()]
         manifest = {
@@ -352,7 +354,8 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
             "heldout_documents": counts["heldout"], "router_documents": counts["router"],
             "tokens": sum(s["train_tokens"] + s["val_tokens"] for s in stats.values()),
             "dropped": {k: v for k, v in scanned["dropped"].items() if k != "truncated"},
-            "truncated": scanned["dropped"]["truncated"], "inputs": input_info,
+            "truncated": scanned["dropped"]["truncated"], "invalid_utf8": scanned["invalid_utf8"],
+            "inputs": input_info,
             "path_sizes": histogram(sizes),
             "assignment": {"balance": r.balance, "capacity": capacity, "spilled": assigner.spilled,
                            "overlap": r.overlap, "overlap_copies": assigner.overlap_copies},

@@ -1,6 +1,12 @@
 """Multi-process engine: gloo workers on 127.0.0.1 (via `dipaco train --workers N`) against the world of one."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,22 +22,36 @@ from dipaco.train import assign, train
 from conftest import TINY_TRAIN, tiny_train_config
 
 ROUNDS, H = 2, 4
+STREAM_ROUNDS = 4  # the streaming runs are long enough to kill one mid-run (test_torchrun_restart_...)
+STREAMING = ["streaming.fragments=2", "streaming.overlap=1", "streaming.alpha=0.5"]
 
 
-def _run_workers(shards, out, workers, *sets):
-    args = ["train", "--shards", str(shards), "--out", str(out), "--quiet", "--rounds", str(ROUNDS),
+def _worker_args(shards, out, workers, rounds, *sets):
+    args = ["train", "--shards", str(shards), "--out", str(out), "--quiet", "--rounds", str(rounds),
             "--inner-steps", str(H), "--workers", str(workers)]
     for kv in [*TINY_TRAIN, "val_batches=0", *sets]:
         args += ["--set", kv]
-    assert main(args) == 0
+    return args
+
+
+def _run_workers(shards, out, workers, *sets, rounds=ROUNDS):
+    assert main(_worker_args(shards, out, workers, rounds, *sets)) == 0
+
+
+@pytest.fixture(scope="module")
+def two_streaming(shards_2x2, tmp_path_factory):
+    """An uninterrupted 2-worker Streaming DiLoCo run (the reference of two tests)."""
+    out = tmp_path_factory.mktemp("two") / "two"
+    _run_workers(shards_2x2, out, 2, *STREAMING, rounds=STREAM_ROUNDS)
+    return out
 
 
 def _reports(out):
     return [json.loads(p.read_text()) for p in sorted((out / "workers").glob("rank_*.json"))]
 
 
-def _assert_close(a_run, b_run, atol):
-    a, b = checkpoint.load_modules(a_run, ROUNDS), checkpoint.load_modules(b_run, ROUNDS)
+def _assert_close(a_run, b_run, atol, rounds=ROUNDS):
+    a, b = checkpoint.load_modules(a_run, rounds), checkpoint.load_modules(b_run, rounds)
     assert a.keys() == b.keys()
     worst = max((a[m][n] - b[m][n]).abs().max().item() for m in a for n in a[m])
     assert worst <= atol, worst
@@ -84,14 +104,12 @@ def test_three_workers_match_the_world_of_one(shards_2x2, tmp_path):
     assert json.loads((three / "run.json").read_text())["workers"] == 3
 
 
-def test_two_workers_streaming_match_the_world_of_one(shards_2x2, tmp_path):
-    sets = ["streaming.fragments=2", "streaming.overlap=1", "streaming.alpha=0.5"]
+def test_two_workers_streaming_match_the_world_of_one(shards_2x2, two_streaming, tmp_path):
     one = tmp_path / "one"
-    train(tiny_train_config("val_batches=0", *sets, rounds=ROUNDS, inner_steps=H), shards_2x2, one, progress=False)
-    two = tmp_path / "two"
-    _run_workers(shards_2x2, two, 2, *sets)
-    _assert_close(one, two, atol=1e-5)
-    _assert_holders_identical_and_alone(two, _numels(two, 2), 32, ROUNDS)
+    train(tiny_train_config("val_batches=0", *STREAMING, rounds=STREAM_ROUNDS, inner_steps=H), shards_2x2, one,
+          progress=False)
+    _assert_close(one, two_streaming, atol=1e-5, rounds=STREAM_ROUNDS)
+    _assert_holders_identical_and_alone(two_streaming, _numels(two_streaming, 2), 32, STREAM_ROUNDS)
     # 4-bit transport: byte counts and holder identity are checked on DistWorld directly (test_quant.py)
 
 
@@ -121,3 +139,75 @@ def test_init_from_a_dense_run(shards_2x2, tmp_path):
     with pytest.raises(DipacoError, match="neither a dipaco run"):
         train(tiny_train_config(f'init_from="{tmp_path}"', rounds=1, inner_steps=2), shards_2x2, tmp_path / "y",
               progress=False)
+
+
+# ------------------------------------------------------------------------- torchrun restart
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc/<pid>/task/*/children; Linux)."""
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:  # the process ended meanwhile
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode("utf-8", "replace").split("\0") if "=" in kv)
+
+
+def _latest(run) -> int:
+    try:
+        return checkpoint.latest_round(run) or 0
+    except DipacoError:  # not there yet
+        return 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker processes through /proc")
+def test_torchrun_restart_after_sigkill_resumes_bit_identically(shards_2x2, two_streaming, tmp_path):
+    """`dipaco train --workers 2 --max-restarts 1`: SIGKILL rank 0 (the checkpoint writer) in the middle of
+    round 2; torchrun restarts the group, the workers resume from round 1 and the job ends on its own with
+    exit code 0 and the same weights, bit for bit, as the uninterrupted run (Streaming DiLoCo, so the local
+    weights and the reductions in flight at a round boundary are restored too)."""
+    run = tmp_path / "restarted"
+    cmd = [sys.executable, "-m", "dipaco.cli", *_worker_args(shards_2x2, run, 2, STREAM_ROUNDS, *STREAMING),
+           "--max-restarts", "1"]
+    began = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        while _latest(run) < 1 and proc.poll() is None and time.monotonic() - began < 240:
+            time.sleep(0.02)
+        assert _latest(run) == 1, f"round 1 never checkpointed: rc {proc.poll()}"
+        workers = [p for p in _descendants(proc.pid) if _environ(p).get("RANK") == "0"
+                   and _environ(p).get("TORCHELASTIC_RESTART_COUNT") == "0"]
+        assert len(workers) == 1, workers
+        os.kill(workers[0], signal.SIGKILL)
+        killed_at = _latest(run)
+        if killed_at >= STREAM_ROUNDS:  # a stalled machine let the whole run finish before the kill
+            pytest.skip("the run finished before the worker could be killed")
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # never leave a hung torchrun behind
+            proc.wait()
+    seconds = time.monotonic() - began
+    assert proc.returncode == 0, err[-3000:]
+    assert "exitcode: -9" in err, err[-3000:]  # torchrun saw the SIGKILL (and, given rc 0, restarted the group)
+    assert checkpoint.list_rounds(run) == list(range(STREAM_ROUNDS + 1))
+    assert not list((run / "checkpoints").glob(".round_*"))
+    logged = [json.loads(l)["round"] for l in (run / "metrics.jsonl").read_text().splitlines() if '"round"' in l[:20]]
+    assert logged[-(STREAM_ROUNDS - 1):] == list(range(2, STREAM_ROUNDS + 1))  # rounds 2.. ran after the restart
+    a, b = checkpoint.load_modules(two_streaming, STREAM_ROUNDS), checkpoint.load_modules(run, STREAM_ROUNDS)
+    for m in a:
+        for n in a[m]:
+            assert torch.equal(a[m][n], b[m][n]), (m, n)
+    print(f"restart test: {seconds:.1f} s, killed at round {killed_at}")

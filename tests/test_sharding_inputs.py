@@ -69,7 +69,7 @@ def test_filters_dedup_and_manifest(rows, tmp_path, shards_2x2):
     cfg = shard_config("2", "data.max_chars=4000", "data.router_fraction=0.1")
     m = shard([str(src)], cfg, tmp_path / "s", tokenizer_dir=str(shards_2x2 / "tokenizer"), progress=False)
     unique = len({r["text"].strip()[:4000] for r in rows})
-    assert m["dropped"] == {"missing_text": 1, "binary": 1, "too_short": 1, "duplicate": len(rows) - unique + 7}
+    assert m["dropped"] == {"missing_text": 1, "not_text": 0, "binary": 1, "too_short": 1, "duplicate": len(rows) - unique + 7}
     assert m["truncated"] >= 1 and m["documents"] == unique + 1
     assert m["router_documents"] > 0 and (tmp_path / "s" / "router_docs" / "docs.jsonl").is_file()
     assert m["inputs"][0]["sha256"] and m["inputs"][0]["bytes"] == src.stat().st_size
