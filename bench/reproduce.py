@@ -61,9 +61,9 @@ class Scale:
 
 
 SCALES = {
-    # ~45 min on a quiet 2-core machine; the model is the `tiny` preset (one path: 4 blocks, width 64).
+    # ~40 min on a quiet 2-core machine; the model is the `tiny` preset (one path: 4 blocks, width 64).
     "full": Scale(vocab=4096, model=["preset=\"tiny\"", "inner.batch_size=8", "model.max_seq_len=128"],
-                  H=100, pretrain_rounds=20, rounds=10, compute_factor=4, pretrain_lr=2e-3, lr=1e-3, warmup=50,
+                  H=100, pretrain_rounds=20, rounds=8, compute_factor=4, pretrain_lr=2e-3, lr=1e-3, warmup=50,
                   eval_tokens=512, eval_every=2, workers=4, fragments=2, route_every=64),
     # The test suite's version: a minute or two.
     "tiny": Scale(vocab=512, model=["model.hidden_size=32", "model.intermediate_size=64", "model.num_heads=2",
@@ -99,6 +99,15 @@ def run_specs(s: Scale) -> list[RunSpec]:
         RunSpec("flat-4", "flat mixture, 4 paths", "4", [], s.rounds, w, 4),
         RunSpec("dense", "dense (same steps as one trainee)", "2x2", plain, s.rounds, 1, 1),
     ]
+
+
+def ablation_specs(s: Scale) -> list[RunSpec]:
+    """Diagnosis (``--ablations``): the outer Nesterov step (lr 0.7, momentum 0.9) replaced by a plain
+    average of the trainees (lr 1, no momentum); one process, the maths is the same with any workers."""
+    avg = ["outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false"]
+    return [RunSpec("ablation-dipaco-avg", "ablation: DiPaCo 2x2, outer = plain average", "2x2", avg, s.rounds, 1, 4),
+            RunSpec("ablation-diloco-avg", "ablation: DiLoCo, outer = plain average", "2x2",
+                    ['grid.shape="1"', "grid.replicas_per_shard=true", *avg], s.rounds, 1, 4)]
 
 
 # ------------------------------------------------------------------------------------------ jobs
@@ -293,10 +302,11 @@ def expectations(res: dict, s: Scale) -> list[dict]:
          f"{every:.2f} vs {ppl['dipaco-2x2']:.2f}" if every else "not evaluated"),
         ("per-path early stopping ≤ last round", early is not None and early <= ppl["dipaco-2x2"],
          f"{early:.2f} vs {ppl['dipaco-2x2']:.2f}" if early else "not evaluated"),
-        ("Streaming + 4-bit within 2% of fp32 (held-out loss)", abs(loss_gap) <= 0.02, f"{100 * loss_gap:+.2f}% loss"),
+        ("Streaming + 4-bit no more than 2% worse than fp32 (held-out loss)", loss_gap <= 0.02, f"{100 * loss_gap:+.2f}% loss"),
     ]
     if stream["bytes_ratio_vs_dp"]:
-        out.append(("Streaming 4-bit: ≥ 400x fewer bytes than bf16 data-parallel", stream["bytes_ratio_vs_dp"] >= 400,
+        out.append(("Streaming 4-bit: ≥ 400x fewer bytes than bf16 data-parallel of one path on as many workers",
+                    stream["bytes_ratio_vs_dp"] >= 400,
                     f"{stream['bytes_ratio_vs_dp']:.0f}x"))
     return [{"claim": c, "held": bool(h), "measured": m} for c, h, m in out]
 
@@ -381,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", choices=list(SCALES), default="full")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="jobs (processes) at a time")
     p.add_argument("--workers", type=int, help="workers of the 4-trainee runs (default: the scale's)")
+    p.add_argument("--ablations", action="store_true", help="also run the outer-optimizer ablations (plain averaging)")
     p.add_argument("--page", type=Path, help="also write the table and plot into this Markdown page (e.g. docs/RESULTS.md)")
     args = p.parse_args(argv)
     s = SCALES[args.scale]
@@ -401,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     if rounds_done(pretrain) < s.pretrain_rounds:
         sets = plain + [f"inner.lr={s.pretrain_lr}", f"inner.warmup_steps={max(s.warmup, s.H // 2)}"]
         jobs.append(Job("pretrain", train_argv(dirs["2x2"], pretrain, sets, s.pretrain_rounds, s, 1, None)))
-    specs = run_specs(s)
+    specs = run_specs(s) + (ablation_specs(s) if args.ablations else [])
     evals = out / "eval"
     evals.mkdir(exist_ok=True)
 
