@@ -336,7 +336,7 @@ def markdown(res: dict, s: Scale, plot_name: str) -> str:
     lines += [f"| {e['claim']} | {'yes' if e['held'] else '**no**'} | {e['measured']} |" for e in res["expectations"]]
     lines += ["", f"![held-out perplexity over training]({plot_name})", "",
               f"{res['heldout_documents']} held-out documents, {res['scored_tokens']:,} scored tokens (the first 32 tokens "
-              f"of every document route and are not scored); wall time of the whole script "
+              f"of every document route and are not scored); wall time recorded by the script (all its invocations in this --out) "
               f"{res.get('wall_seconds', 0) / 60:.1f} min on {os.cpu_count()} cores with --jobs {res.get('jobs')}.", "",
               "Settings (`bench/reproduce.py`, scale " + f"`{res['scale_name']}`):", "", "```json",
               json.dumps(res["scale"], indent=1, ensure_ascii=False), "```"]
@@ -483,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         pictures = args.page.parent / "results"
         pictures.mkdir(parents=True, exist_ok=True)
         shutil.copy(out / "perplexity_rounds.png", pictures / "perplexity_rounds.png")
+        shutil.copy(out / "results.json", pictures / "results.json")
         write_page(args.page, markdown(res, s, "results/perplexity_rounds.png"))
     print()
     print(block)
