@@ -405,10 +405,11 @@ def _train(cfg, shards, shards_dir, run_dir, resume, progress, grid, device, wor
         for t in range(r * H + 1, (r + 1) * H + 1):
             tic = time.perf_counter()
             for tr in su.trainees:
-                step_losses[tr.index].append(inner_step(tr, cfg, total))
+                loss = inner_step(tr, cfg, total)
+                step_losses[tr.index].append(loss)
                 if cfg.log_every and tr.step % cfg.log_every == 0:
                     inner_logs.append(dict(kind="inner", round=r + 1, step=tr.step, trainee=tr.index, path=tr.path,
-                                           loss=len(step_losses[tr.index]) - 1, lr=tr.optimizer.param_groups[0]["lr"]))
+                                           loss=loss, lr=tr.optimizer.param_groups[0]["lr"]))
             bar.update(len(su.trainees))
             compute += time.perf_counter() - tic
             su.sync.after_step(t)
@@ -433,11 +434,11 @@ def _train(cfg, shards, shards_dir, run_dir, resume, progress, grid, device, wor
 
 
 def round_losses(step_losses: dict[int, list[torch.Tensor]], inner_logs: list[dict], H: int) -> dict[int, float]:
-    """Every trainee's mean inner loss of the round, read from the device once; fills in the logged losses
-    (``inner_logs`` hold the index of their step's loss until then)."""
+    """Every trainee's mean inner loss of the round, read from the device once per round (not per step);
+    the logged losses (tensors until now) become floats."""
     values = {i: torch.stack(ls).tolist() if ls else [] for i, ls in step_losses.items()}
     for rec in inner_logs:
-        rec["loss"] = values[rec["trainee"]][rec["loss"]]
+        rec["loss"] = rec["loss"].item()
     losses = {}
     for i, vs in values.items():
         total = 0.0

@@ -11,7 +11,7 @@ def test_round_losses_equal_per_step_item_sums():
     torch.manual_seed(0)
     H = 7
     steps = {0: [torch.rand(()) * 8 for _ in range(H)], 3: [torch.rand(()) * 8 for _ in range(H)]}
-    logs = [{"trainee": 3, "loss": 4}, {"trainee": 0, "loss": 6}]
+    logs = [{"trainee": 3, "loss": steps[3][4]}, {"trainee": 0, "loss": steps[0][6]}]
     got = round_losses(steps, logs, H)
     for i, ls in steps.items():
         want = 0.0
