@@ -115,15 +115,14 @@ def ablation_specs(s: Scale) -> list[RunSpec]:
 class Job:
     name: str
     argv: list[str]
-    slots: int = 1     # a torchrun job's workers share its slot: time-sliced, not idle cores
     after: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
     began: float = 0.0
-    seconds: float = 0.0
 
 
 def run_jobs(jobs: list[Job], capacity: int, logs: Path, describe) -> dict[str, float]:
-    """Run jobs (dependencies first, longest queued first) with at most ``capacity`` slots busy."""
+    """Run jobs (dependencies first, longest queued first), at most ``capacity`` at a time. A torchrun
+    job counts as one: its workers time-share the cores rather than leave one idle."""
     from tqdm.auto import tqdm
 
     logs.mkdir(parents=True, exist_ok=True)
@@ -132,11 +131,10 @@ def run_jobs(jobs: list[Job], capacity: int, logs: Path, describe) -> dict[str, 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     while pending or running:
         for job in list(pending):
-            busy = sum(j.slots for j in running)
-            if all(a in done for a in job.after) and busy + min(job.slots, capacity) <= capacity:
-                log = open(logs / f"{job.name}.log", "w")
-                job.proc = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-                job.began, job.slots = time.perf_counter(), min(job.slots, capacity)
+            if all(a in done for a in job.after) and len(running) < capacity:
+                with open(logs / f"{job.name}.log", "w") as log:  # the child keeps its own descriptor
+                    job.proc = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+                job.began = time.perf_counter()
                 pending.remove(job)
                 running.append(job)
         for job in list(running):
