@@ -24,7 +24,8 @@ def cmd_shard(args) -> None:
         "data.min_chars": args.min_chars, "data.max_chars": args.max_chars, "data.split": args.split,
         "tokenizer.vocab_size": args.vocab_size, "routing.balance": args.balance, "routing.overlap": args.overlap,
         "routing.features": args.features, "routing.feature_model": args.feature_model,
-        "routing.spherical": args.spherical, "routing.fit_sample": args.fit_sample})
+        "routing.spherical": args.spherical, "routing.fit_sample": args.fit_sample, "routing.assign": args.assign,
+        "routing.cluster_on": args.cluster_on, "routing.prefix_tokens": args.prefix_tokens})
     manifest = shard(args.data, cfg, args.out, args.tokenizer, args.overwrite, progress=not args.quiet)
     print(f"wrote {args.out} in {manifest['seconds']:.1f} s: {manifest['train_documents']} training, "
           f"{manifest['heldout_documents']} held-out and {manifest['router_documents']} router documents on grid "
@@ -34,6 +35,10 @@ def cmd_shard(args) -> None:
     pur = purity(manifest["labels_per_path"])["overall"]
     if pur is not None:
         print(f"label purity of the paths: {pur:.3f}")
+    agree = manifest["route_agreement"]
+    if agree["heldout"] is not None:
+        print(f"routing: the frozen router gives {agree['heldout']:.1%} of the {agree['heldout_documents']} held-out documents "
+              f"the path the shard stage chose; training documents on their routed path: {agree['train']:.1%}")
 
 
 def print_paths(manifest: dict) -> None:
@@ -128,7 +133,7 @@ def cmd_eval(args) -> None:
     report = evaluate(runs, args.shards, args.round, progress=not args.quiet, baseline=args.baseline,
                       route_every=args.route_every, oracle=not args.no_oracle, random=not args.no_random,
                       early_stopping=args.early_stopping, mixture=args.mixture, temperature=args.temperature,
-                      seed=args.seed)
+                      seed=args.seed, split=args.split)
     files = write_report(report, args.out)
     print(markdown_table(report))
     print("\nwrote " + ", ".join(files.values()))
@@ -152,13 +157,32 @@ def cmd_generate(args) -> None:
     for prompt in prompts:
         g = generate(rr, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                      seed=args.seed, round=args.round, mixture=args.mixture, mixture_temperature=args.mixture_temperature,
-                     path=rr.check_path(args.path) if args.path else None)
-        paths = ", ".join(p if len(g.paths) == 1 else f"{p} (w={w:.3f})" for p, w in g.paths)
+                     path=rr.check_path(args.path) if args.path else None, route_every=args.route_every)
+        if g.segments and len(g.segments) > 1:
+            paths = " -> ".join(f"{p} ({n} tokens)" for p, n in g.segments)
+        else:
+            paths = ", ".join(p if len(g.paths) == 1 else f"{p} (w={w:.3f})" for p, w in g.paths)
+        print(f"# routing: {g.router}", file=sys.stderr)
         print(f"# path {paths}: loaded {g.bytes_loaded / 1e6:.2f} MB of {g.bytes_total / 1e6:.2f} MB "
               f"({100 * g.bytes_loaded / g.bytes_total:.0f}% of the model), {g.new_tokens} new tokens", file=sys.stderr)
         print(prompt + g.text)
         if len(prompts) > 1:
             print()
+
+
+def cmd_fit_window_router(args) -> None:
+    from dipaco.eval.window_router import fit_window_router
+
+    rep = fit_window_router(args.run, args.shards, args.window, args.round, args.max_tokens, args.holdout_fraction,
+                            args.seed, args.overwrite, progress=not args.quiet)
+    print(f"wrote {rep['out']}: {rep['examples']} windows of {rep['window']} tokens from {rep['router_documents']} router "
+          f"documents (round {rep['round']}), {rep['seconds']:.0f} s")
+    if rep["accuracy"] is not None:
+        print(f"on {rep['test_examples']} windows of held-aside router documents: accuracy {rep['accuracy']:.3f} against the "
+              f"lowest-loss path (shard router on the previous tokens {rep['accuracy_shard_router_previous_tokens']:.3f}, "
+              f"the document's path {rep['accuracy_document_path']:.3f}); mean loss {rep['loss_window_router']:.4f} "
+              f"(shard router {rep['loss_shard_router_previous_tokens']:.4f}, document path {rep['loss_document_path']:.4f}, "
+              f"oracle {rep['loss_oracle']:.4f})")
 
 
 def cmd_export(args) -> None:
@@ -200,6 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="spherical k-means (default on; --no-spherical for plain k-means)")
     p.add_argument("--fit-sample", type=int, help="documents sampled to fit the tokenizer and router (default 20000)")
     p.add_argument("--balance", type=float, help="cap every path at F x the mean share of documents (e.g. 1.2); 0 = off")
+    p.add_argument("--assign", choices=["kmeans", "random"],
+                   help="kmeans (default): routing features + k-means; random: a seeded uniform path per document (i.i.d. control)")
+    p.add_argument("--cluster-on", choices=["prefix", "document"],
+                   help="k-means on the routing prefix, or on whole-document features learned back from the prefix")
+    p.add_argument("--prefix-tokens", type=int, help="tokens of the document prefix every router reads (default 32)")
     p.add_argument("--overlap", type=int, help="training documents go to their n nearest paths (paper: 2); default 1")
     p.add_argument("--num-proc", type=int, help="tokenizer/feature threads (default: all cores)")
     p.add_argument("--tokenizer", help="use this Hugging Face tokenizer directory instead of training one")
@@ -248,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle row (it scores every path on every document)")
     p.add_argument("--no-random", action="store_true", help="skip the random-routing row")
     p.add_argument("--seed", type=int, default=0, help="seed of random routing")
+    p.add_argument("--split", default="heldout", choices=["heldout", "val"],
+                   help="heldout: the held-out test documents (default); val: every path's validation documents "
+                        "(choose settings on these)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("generate", help="route a prompt and continue it with one path")
@@ -263,7 +295,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--path", help="use this path instead of routing")
     p.add_argument("--mixture", type=int, default=0, metavar="K", help="mix the K nearest paths (c-BTM)")
     p.add_argument("--mixture-temperature", type=float, default=0.1, help="mixture weights softmax(-d^2/T)")
+    p.add_argument("--route-every", type=int, metavar="W",
+                   help="re-route after every W new tokens (the run's window router for W, else the shard router); "
+                        "default: W of the run's window router if it has exactly one; 0 keeps one path")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("fit-window-router", help="fit the router of every-W routing on the router documents")
+    p.add_argument("--run", required=True, help="run directory (the router is saved in RUN/window_routers/w<W>)")
+    p.add_argument("--shards", required=True, help="the shard directory the run was trained on")
+    p.add_argument("--window", type=int, required=True, metavar="W", help="tokens per window, e.g. 64")
+    p.add_argument("--round", type=int, help="label with the losses of this round (default latest)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens of each router document used")
+    p.add_argument("--holdout-fraction", type=float, default=0.2,
+                   help="router documents held aside to report accuracy (the saved router is then fitted on all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace the run's window router for W")
+    p.set_defaults(func=cmd_fit_window_router)
 
     p = sub.add_parser("export", help="write one path as a plain Hugging Face model directory")
     p.add_argument("--run", required=True, help="run directory")

@@ -55,23 +55,30 @@ class TokenizerConfig:
 
 @dataclass
 class RoutingConfig:
+    assign: str = "kmeans"
+    """How documents get paths: 'kmeans' (routing features + k-means, the paper's) or 'random' (a seeded
+    hash of the routing prefix: uniform i.i.d. shards, the DiLoCo paper's main setting, as a control)."""
+    prefix_tokens: int = 32
+    """The router's input, for every command (shard, eval, generate, reshard): the first this-many tokens
+    of a document, decoded (paper: 32). Evaluation never scores them (eval.context_tokens >= this)."""
+    cluster_on: str = "prefix"
+    """What k-means clusters to define the paths: 'prefix' (the routing prefix itself) or 'document'
+    (tf-idf of the first prefix_chars characters; a logistic regression on the prefix then learns
+    those clusters and is the router, so sharding and eval still route by the prefix alone)."""
     features: str = "tfidf"
-    """Prefix features: 'tfidf' (tf-idf + truncated SVD, c-BTM style), 'lm' (mean of the last hidden
-    layer of a local causal LM over the first prefix_tokens tokens, the paper's) or 'encoder' (mean-pooled
-    local Hugging Face encoder)."""
+    """Features of the routing prefix: 'tfidf' (tf-idf + truncated SVD, c-BTM style), 'lm' (mean of the
+    last hidden layer of a local causal LM, the paper's) or 'encoder' (mean-pooled local Hugging Face
+    encoder)."""
     feature_model: str = ""
     """Local Hugging Face model directory for 'lm' / 'encoder' features (weights as safetensors, with
     its tokenizer)."""
     copy_feature_model: bool = True
     """Freeze a copy of the feature model inside the router (routing needs nothing else); false stores
     only its path and content hash, checked whenever the router is loaded."""
-    prefix_tokens: int = 32
-    """'lm' / 'encoder': tokens of the document prefix the feature model reads (paper: 32)."""
     feature_batch_size: int = 32
     """'lm' / 'encoder': documents per forward pass."""
     prefix_chars: int = 1024
-    """Routing looks only at the first this-many characters of a document (tf-idf features). 1024 is
-    about the paper's routing context and separates the shared corpus's domains better than 2048."""
+    """cluster_on='document': the document features read the first this-many characters."""
     max_tfidf_features: int = 50_000
     """Vocabulary cap of the tf-idf vectorizer."""
     svd_dims: int = 64
@@ -432,6 +439,10 @@ def validate(cfg) -> None:
             raise DipacoError("config: 'tokenizer.vocab_size' must be >= 300 (256 bytes + merges + special tokens)")
         positive("routing.svd_dims", cfg.routing.svd_dims)
         r, d = cfg.routing, cfg.data
+        if r.assign not in ("kmeans", "random"):
+            raise DipacoError(f"config: 'routing.assign' must be 'kmeans' or 'random', got {r.assign!r}")
+        if r.cluster_on not in ("prefix", "document"):
+            raise DipacoError(f"config: 'routing.cluster_on' must be 'prefix' or 'document', got {r.cluster_on!r}")
         if r.features not in ("tfidf", "lm", "encoder"):
             raise DipacoError(f"config: 'routing.features' must be 'tfidf', 'lm' or 'encoder', got {r.features!r}")
         if r.features != "tfidf" and not r.feature_model:

@@ -25,7 +25,7 @@ from dipaco.errors import DipacoError
 from dipaco.io import read_json
 
 FORMAT = "dipaco-shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: routers read the decoded token prefix (routing/prefix.py)
 
 
 class ShardSet:
@@ -86,6 +86,14 @@ class ShardSet:
         f = self.root / "heldout" / "docs.jsonl"
         if not f.is_file():
             raise DipacoError(f"{f} is missing; re-run `dipaco shard` to write held-out documents")
+        with open(f, encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh if line.strip()]
+
+    def router_docs(self) -> list[dict]:
+        """The held-aside router documents (never trained on): discriminative and window routers fit on them."""
+        f = self.root / "router_docs" / "docs.jsonl"
+        if not f.is_file():
+            raise DipacoError(f"{f} is missing; re-shard with data.router_fraction > 0 to keep router documents")
         with open(f, encoding="utf-8") as fh:
             return [json.loads(line) for line in fh if line.strip()]
 

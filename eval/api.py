@@ -56,6 +56,17 @@ class RoutedRun:
             raise DipacoError("route takes a list of texts, not a single string; wrap it: route([text])")
         return [self.paths[0]] * len(texts) if self.run.is_dense else self.router.route(texts)
 
+    def window_router(self, w: int):
+        """The run's router for every-``w`` routing (``dipaco fit-window-router``), or None."""
+        from dipaco.eval.perplexity import load_window_router
+
+        return None if self.run.is_dense else load_window_router(self.run, self.shards, w)
+
+    def window_sizes(self) -> list[int]:
+        """The W of every window router saved with the run."""
+        folder = self.run.root / "window_routers"
+        return sorted(int(d.name[1:]) for d in folder.glob("w*") if d.name[1:].isdigit()) if folder.is_dir() else []
+
     def route_topk(self, texts: list[str], k: int) -> list[list[tuple[str, float]]]:
         """The k nearest paths of each text with their squared router distances, nearest first."""
         if self.run.is_dense:

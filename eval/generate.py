@@ -24,6 +24,8 @@ class Generation:
     bytes_loaded: int              # module bytes read for this generation
     bytes_total: int               # all module bytes of the checkpoint round
     new_tokens: int = 0
+    segments: list[tuple[str, int]] | None = None  # re-routing every W tokens: (path, new tokens) in order
+    router: str = "shard router on the prompt's first tokens"
 
 
 def _prompt_ids(rr: RoutedRun, prompt: str) -> torch.Tensor:
@@ -36,8 +38,13 @@ def _prompt_ids(rr: RoutedRun, prompt: str) -> torch.Tensor:
 @torch.inference_mode()
 def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, round: int | None = None, mixture: int = 0, mixture_temperature: float = 0.1,
-             path: str | None = None) -> Generation:
-    """Greedy when ``temperature`` is 0, else sampling with ``temperature`` and ``top_p`` (seeded)."""
+             path: str | None = None, route_every: int | None = None) -> Generation:
+    """Greedy when ``temperature`` is 0, else sampling with ``temperature`` and ``top_p`` (seeded).
+
+    The prompt is routed like a document (the shard router on its first tokens). ``route_every`` W > 0
+    re-routes after every W new tokens, from the W tokens before (the run's window router for W, or the
+    shard router on the last 32 tokens when the run has none); None does so when the run has exactly one
+    window router (its W), 0 never."""
     if max_new_tokens < 1:
         raise DipacoError(f"--max-new-tokens {max_new_tokens} is not valid; ask for at least 1 token")
     if temperature < 0 or not 0 < top_p <= 1:
@@ -48,16 +55,38 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = 64, temperature: 
         return _generate_mixture(rr, prompt, ids, max_new_tokens, temperature, top_p, seed, round, mixture,
                                  mixture_temperature)
     chosen = path if path is not None else rr.route([prompt])[0]
-    model = rr.path_model(chosen, round).model
+    if route_every is None:
+        sizes = rr.window_sizes()
+        route_every = sizes[0] if len(sizes) == 1 else 0
+    if route_every < 0:
+        raise DipacoError(f"--route-every {route_every} is not valid; use W > 0 tokens, or 0 to keep one path")
+    if path is not None or rr.run.is_dense:
+        route_every = 0
     torch.manual_seed(seed)
-    sample = temperature > 0
     # top_k=0: only temperature and top_p shape the distribution (transformers defaults top_k to 50)
-    options = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if sample else dict(do_sample=False)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         pad_token_id=rr.run.info["eos_token_id"], eos_token_id=rr.run.info["eos_token_id"], **options)
-    new = out[0, ids.shape[1]:].tolist()
-    loaded, total = rr.bytes_of([chosen], round)
-    return Generation(prompt, rr.decode(new), [(chosen, 1.0)], loaded, total, len(new))
+    options = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
+    eos = rr.run.info["eos_token_id"]
+    window = rr.window_router(route_every) if route_every else None
+    reroute, span = (window, route_every) if window is not None else (rr.router, rr.router.input.tokens) if route_every else (None, 0)
+    models, segments, context = {}, [], ids
+    while len(new := context[0, ids.shape[1]:].tolist()) < max_new_tokens and (not new or new[-1] != eos):
+        if segments:  # the tokens just before the next segment choose its path
+            chosen = reroute.route_ids([context[0, -span:].tolist()])[0]
+        if chosen not in models:
+            models[chosen] = rr.path_model(chosen, round).model
+        n = min(route_every or max_new_tokens, max_new_tokens - len(new))
+        out = models[chosen].generate(context, attention_mask=torch.ones_like(context), max_new_tokens=n,
+                                      pad_token_id=eos, eos_token_id=eos, **options)
+        segments.append((chosen, out.shape[1] - context.shape[1]))
+        context = out
+    used = list(dict.fromkeys(p for p, _ in segments))
+    loaded, total = rr.bytes_of(used, round)
+    how = "the given path" if path is not None else "shard router on the prompt's first tokens"
+    if route_every:
+        how += (f", then every {route_every} tokens the window router on the previous {route_every}" if window is not None
+                else f", then every {route_every} tokens the shard router on the previous {span} (no window router for {route_every})")
+    weights = [(p, sum(n for q, n in segments if q == p) / max(1, len(new))) for p in used]
+    return Generation(prompt, rr.decode(new), weights, loaded, total, len(new), segments, how)
 
 
 def _generate_mixture(rr: RoutedRun, prompt, ids, max_new_tokens, temperature, top_p, seed, round, k, mix_t) -> Generation:

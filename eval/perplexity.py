@@ -10,10 +10,13 @@ that runs each (path, round, document window) through the model at most once, so
 every-W and mixture rows reuse the forward passes of the routed row.
 
 Methods:
-  routed        route once per document by its decoded prefix (dense runs: their single path)
-  every-W       chunk k (W targets) is scored by the path the router picks for chunk k-1's text;
-                chunk 0 is the prefix. Targets keep the context of their scoring window, so with
-                W >= the document length the result equals ``routed`` exactly.
+  routed        route once per document by the shard router on its decoded first tokens (the same
+                function that sharded it; dense runs: their single path)
+  every-W       chunk 0 (W targets) takes the document's routed path; chunk k >= 1 the path chosen
+                from the tokens before it: the run's window router (``dipaco fit-window-router``) on
+                the previous W tokens, or the shard router on the previous 32. Targets keep the
+                context of their scoring window, so with W >= the document length the result equals
+                ``routed`` exactly.
   oracle        the path with the lowest loss on each whole document (a bound no router beats)
   random        a seeded uniform path per document
   early-stop    ``routed`` with each path at its round of lowest validation loss (metrics.jsonl)
@@ -31,6 +34,7 @@ from tqdm.auto import tqdm
 
 from dipaco.errors import DipacoError
 from dipaco.routing import Router
+from dipaco.routing.router import BaseRouter
 from dipaco.run import Run
 from dipaco.scoring import window_nll, windows_for
 from dipaco.shards import ShardSet
@@ -47,6 +51,26 @@ def heldout_tokens(shards: ShardSet, max_tokens: int) -> tuple[list[dict], list[
     return docs, ids
 
 
+def validation_tokens(shards: ShardSet, max_tokens: int) -> tuple[list[dict], list[list[int]]]:
+    """The validation documents of every path (whole documents, never trained on), from their tokens: the
+    data to choose settings on, so that the held-out documents stay a test set."""
+    docs, ids = [], []
+    for p in shards.paths:
+        tokens, offsets = shards.tokens(p, "val"), shards.doc_offsets(p, "val")
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+            doc = np.asarray(tokens[a:b], dtype=np.int64)
+            if len(doc) and doc[-1] == shards.eos_token_id:
+                doc = doc[:-1]  # the writer's document separator
+            docs.append({"label": None, "path": p})
+            ids.append(doc[:max_tokens].tolist())
+    if not docs:
+        raise DipacoError(f"{shards.root} has no validation documents; re-shard with data.val_fraction > 0")
+    return docs, ids
+
+
+SPLITS = {"heldout": heldout_tokens, "val": validation_tokens}
+
+
 def check_compatible(run: Run, shards: ShardSet) -> None:
     if run.info.get("tokenizer_sha256") != shards.manifest["tokenizer"]["sha256"]:
         raise DipacoError(f"run {run.root} was trained with another tokenizer than {shards.root}; evaluate it with its own "
@@ -56,12 +80,36 @@ def check_compatible(run: Run, shards: ShardSet) -> None:
                           f"evaluate it with --shards {run.info.get('shards_dir')}")
 
 
-def route_documents(run: Run, shards: ShardSet, ids: list[list[int]], context: int) -> list[str]:
+def shard_router(shards: ShardSet, context: int) -> BaseRouter:
+    """The router that built the shards; it must read only unscored tokens."""
+    router = Router.load(shards.root / "router")
+    if router.input.tokens > context:
+        raise DipacoError(f"the router of {shards.root} reads the first {router.input.tokens} tokens but eval.context_tokens "
+                          f"is {context}, so routing would see scored tokens; set eval.context_tokens >= {router.input.tokens}")
+    return router
+
+
+def route_documents(run: Run, router: BaseRouter | None, ids: list[list[int]]) -> list[str]:
+    """The path of every document: the shard router on its first tokens (a dense run: its single path)."""
     if run.is_dense:
         return [run.grid.paths[0]] * len(ids)
-    tok = shards.tokenizer()
-    prefixes = tok.batch_decode([i[:context] for i in ids])
-    return Router.load(shards.root / "router").route(prefixes)
+    return router.route_ids(ids)
+
+
+def window_router_dir(run: Run, w: int) -> Path:
+    return run.root / "window_routers" / f"w{w}"
+
+
+def load_window_router(run: Run, shards: ShardSet, w: int) -> BaseRouter | None:
+    """The run's router for W-token windows (``dipaco fit-window-router``), or None if it has none."""
+    d = window_router_dir(run, w)
+    if not (d / "router.json").is_file():
+        return None
+    router = Router.load(d)
+    if router.describe().get("shards_fingerprint") != shards.fingerprint:
+        raise DipacoError(f"window router {d} was fitted on other shards than {shards.root}; "
+                          f"re-fit it with dipaco fit-window-router --run {run.root} --shards {shards.root} --window {w}")
+    return router
 
 
 # ------------------------------------------------------------------------------------------ scoring
@@ -149,19 +197,23 @@ def once_segments(routes: list[str], ids: list[list[int]], context: int, rounds:
     return [[(lo, len(x), [(p, rounds if isinstance(rounds, int) else rounds[p], 1.0)])] for p, x in zip(routes, ids)]
 
 
-def every_w_segments(router: Router, tok, ids: list[list[int]], context: int, w: int, r: int) -> list[list[Segment]]:
-    """Chunk k of W targets takes the path routed from chunk k-1's text (chunk 0: the prefix)."""
+def every_w_segments(router: BaseRouter, window_router: BaseRouter | None, ids: list[list[int]], context: int, w: int,
+                     r: int) -> list[list[Segment]]:
+    """Chunk 0 (the first W targets after the context) takes the document's path (the shard router on its
+    prefix); chunk k >= 1 takes the path chosen from the tokens just before it: the window router on the
+    previous W tokens, or without one the shard router on the previous ``router.input.tokens`` tokens."""
     if w < 1:
         raise DipacoError(f"--route-every {w} is not valid; give a window of at least 1 token")
     lo0 = max(1, context)
-    bounds, texts_ids = [], []
-    for x in ids:
-        cuts = [(lo, min(lo + w, len(x))) for lo in range(lo0, len(x), w)]
-        prev = [(0, lo0)] + cuts[:-1]
-        bounds.append(cuts)
-        texts_ids += [x[a:b] for a, b in prev]
-    paths = iter(router.route(tok.batch_decode(texts_ids)) if texts_ids else [])
-    return [[(lo, hi, [(next(paths), r, 1.0)]) for lo, hi in cuts] for cuts in bounds]
+    cuts = [[(lo, min(lo + w, len(x))) for lo in range(lo0, len(x), w)] for x in ids]
+    first = router.route_ids(ids)
+    later_router = window_router or router
+    span = w if window_router is not None else router.input.tokens
+    # one entry per chunk after the first, document by document: a document without chunks adds nothing
+    later = [x[max(0, lo - span):lo] for x, cs in zip(ids, cuts) for lo, _ in cs[1:]]
+    later_paths = iter(later_router.route_ids(later) if later else [])
+    return [[(lo, hi, [(first[d] if k == 0 else next(later_paths), r, 1.0)]) for k, (lo, hi) in enumerate(cs)]
+            for d, cs in enumerate(cuts)]
 
 
 def mixture_weights(topk: list[tuple[str, float]], temperature: float) -> list[tuple[str, float]]:
@@ -236,19 +288,23 @@ def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[in
             per_path.setdefault(p, [0.0, 0, 0])
         rows[name if method == "routed" else f"{name} {method}"] = summarise(per_doc, per_path, labels) | base | extra
 
-    routes = route_documents(run, shards, ids, context)
-    add("routed", once_segments(routes, ids, context, r), routing="once")
+    router = None if run.is_dense else shard_router(shards, context)
+    routes = route_documents(run, router, ids)
+    add("routed", once_segments(routes, ids, context, r), routing="the single path of a dense run" if router is None
+        else f"once, shard router on the first {router.input.tokens} tokens")
     if run.is_dense:
         return rows
-    router, tok = Router.load(shards.root / "router"), shards.tokenizer()
     for w in route_every:
-        add(f"every-{w}", every_w_segments(router, tok, ids, context, w, r), routing=f"every {w} tokens")
+        window = load_window_router(run, shards, w)
+        how = (f"every {w} tokens: window router {window_router_dir(run, w)} on the previous {w} tokens" if window else
+               f"every {w} tokens: shard router on the previous {router.input.tokens} tokens (the run has no window router for {w})")
+        add(f"every-{w}", every_w_segments(router, window, ids, context, w, r), routing=how,
+            window_router=str(window_router_dir(run, w)) if window else None)
     if early_stopping:
         picks = early_stopping_rounds(run)
         add("early-stop", once_segments(routes, ids, context, picks), routing="once", round=None, rounds=picks)
     if mixture > 1:
-        prefixes = tok.batch_decode([x[:context] for x in ids])
-        mixes = [[(p, r, w) for p, w in mixture_weights(t, temperature)] for t in router.route_topk(prefixes, mixture)]
+        mixes = [[(p, r, w) for p, w in mixture_weights(t, temperature)] for t in router.route_topk_ids(ids, mixture)]
         lo = max(1, context)
         add(f"mixture-{mixture}", [[(lo, len(x), m)] for x, m in zip(ids, mixes)],
             routing=f"mixture of the {mixture} nearest paths, T={temperature}")
@@ -269,12 +325,15 @@ def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[in
 def evaluate(runs: dict[str, str | Path], shards_dir: str | Path, round: int | None = None, progress: bool = True,
              baseline: str | Path | None = None, route_every: list[int] = (), oracle: bool = False,
              random: bool = False, early_stopping: bool = False, mixture: int = 0, temperature: float = 0.1,
-             seed: int = 0) -> dict:
-    """Report for several runs on the same held-out tokens: {"methods": {name: {...}}, ...}.
+             seed: int = 0, split: str = "heldout") -> dict:
+    """Report for several runs on the same tokens: {"methods": {name: {...}}, ...}.
 
-    ``baseline`` adds a dense run (grid 1) as the row "dense baseline"; the extra methods apply to
-    every routed (non-dense) run.
+    ``split`` "heldout" scores the held-out documents (the test set); "val" the validation documents
+    of every path (to choose settings on). ``baseline`` adds a dense run (grid 1) as the row "dense
+    baseline"; the extra methods apply to every routed (non-dense) run.
     """
+    if split not in SPLITS:
+        raise DipacoError(f"--split {split!r} is unknown; use 'heldout' (test documents) or 'val' (validation documents)")
     if any(w < 1 for w in route_every):
         raise DipacoError(f"--route-every {min(route_every)} is not valid; give a window of at least 1 token")
     if mixture < 0 or (mixture > 1 and temperature <= 0):
@@ -295,7 +354,7 @@ def evaluate(runs: dict[str, str | Path], shards_dir: str | Path, round: int | N
     contexts = {r.config.eval.context_tokens for r in loaded.values()}
     if len(contexts) > 1:
         raise DipacoError(f"runs use different eval.context_tokens {sorted(contexts)}; compare runs with the same setting")
-    docs, ids = heldout_tokens(shards, max_tokens)
+    docs, ids = SPLITS[split](shards, max_tokens)
     methods, early, curves = {}, {}, {}
     for name, run in loaded.items():
         rows = evaluate_run(run, shards, docs, ids, round, progress, route_every, oracle, random, early_stopping,
@@ -308,8 +367,8 @@ def evaluate(runs: dict[str, str | Path], shards_dir: str | Path, round: int | N
         if len(curve) > 1:
             curves[name] = {str(r): {"val_loss_mean": sum(v.values()) / len(v), "val_perplexity": math.exp(sum(v.values()) / len(v)),
                                      "per_path": v} for r, v in sorted(curve.items())}
-    report = {"shards": str(Path(shards_dir).resolve()), "context_tokens": contexts.pop(), "heldout_documents": len(docs),
-              "methods": methods}
+    report = {"shards": str(Path(shards_dir).resolve()), "context_tokens": contexts.pop(), "split": split,
+              "documents": len(docs), "heldout_documents": len(docs) if split == "heldout" else None, "methods": methods}
     if early:
         report["early_stopping"] = early
     if curves:

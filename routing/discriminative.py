@@ -2,8 +2,11 @@
 the path under which a document has the lowest loss, with a bias that keeps the path distribution on
 target (no path collapses).
 
-The fitted router keeps the feature pipeline of the router it replaces (same features, so routing at
-eval sees exactly what built the shards) and stores its weights as .npy files; ``Router.load`` reads it.
+It reads the same input as every router (the decoded token prefix, ``PrefixInput``) through a feature
+pipeline (usually the one of the router it replaces) and stores its weights as .npy files;
+``Router.load`` reads it. Three uses: discriminative re-sharding (labels = lowest-loss path), the
+router fitted on prefixes to document-level k-means clusters (``routing.cluster_on = "document"``),
+and the window router of every-W routing (labels = lowest loss on the next W tokens).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 from dipaco.errors import DipacoError
 from dipaco.grid import format_grid, parse_grid
 from dipaco.routing.features import load_features
+from dipaco.routing.prefix import PrefixInput
 from dipaco.routing.router import BaseRouter
 
 
@@ -29,8 +33,9 @@ def _softmax(z: np.ndarray) -> np.ndarray:
 class DiscriminativeRouter(BaseRouter):
     kind = "discriminative"
 
-    def __init__(self, features, shape: tuple[int, ...], coef: np.ndarray, intercept: np.ndarray, info: dict | None = None):
-        self.features, self.shape = features, shape
+    def __init__(self, features, shape: tuple[int, ...], coef: np.ndarray, intercept: np.ndarray, input: PrefixInput,
+                 info: dict | None = None):
+        self.features, self.shape, self.input = features, shape, input
         self.coef = np.asarray(coef, dtype=np.float32)            # (P, d)
         self.intercept = np.asarray(intercept, dtype=np.float32)  # (P,)
         self.info = info or {}
@@ -46,11 +51,13 @@ class DiscriminativeRouter(BaseRouter):
         return -self.logits(x)
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "grid": format_grid(self.shape), "features": self.features.describe(), **self.info}
+        return {"kind": self.kind, "grid": format_grid(self.shape), "input": self.input.describe(),
+                "features": self.features.describe(), **self.info}
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        self.input.save(directory / "input")
         self.features.save(directory / "features")
         np.save(directory / "coef.npy", self.coef)
         np.save(directory / "intercept.npy", self.intercept)
@@ -67,8 +74,8 @@ class DiscriminativeRouter(BaseRouter):
         except (OSError, ValueError, KeyError) as exc:
             raise DipacoError(f"discriminative router in {directory} is incomplete or damaged ({exc}); "
                               f"re-run `dipaco reshard`") from None
-        info = {k: v for k, v in spec.items() if k not in ("kind", "grid", "features")}
-        return cls(load_features(directory / "features"), shape, coef, intercept, info)
+        info = {k: v for k, v in spec.items() if k not in ("kind", "grid", "features", "input")}
+        return cls(load_features(directory / "features"), shape, coef, intercept, PrefixInput.load(directory / "input"), info)
 
 
 def match_bias(logits: np.ndarray, target: np.ndarray, iters: int = 500, tol: float = 1e-4) -> np.ndarray:
@@ -89,7 +96,7 @@ def match_bias(logits: np.ndarray, target: np.ndarray, iters: int = 500, tol: fl
 
 
 def fit_discriminative(features, x: np.ndarray, labels: np.ndarray, shape: tuple[int, ...], target: np.ndarray,
-                       seed: int = 0, C: float = 1.0) -> DiscriminativeRouter:
+                       input: PrefixInput, seed: int = 0, C: float = 1.0) -> DiscriminativeRouter:
     """Multinomial logistic regression on (x, labels: path indices), intercept shifted to ``target`` shares."""
     from sklearn.linear_model import LogisticRegression
 
@@ -115,4 +122,4 @@ def fit_discriminative(features, x: np.ndarray, labels: np.ndarray, shape: tuple
     bias = match_bias(x @ coef.T + intercept, target)
     info = {"classes_seen": int(len(present)), "fit_documents": int(len(labels)), "C": C,
             "target": [round(float(t), 6) for t in np.asarray(target) / np.sum(target)]}
-    return DiscriminativeRouter(features, shape, coef, intercept + bias, info)
+    return DiscriminativeRouter(features, shape, coef, intercept + bias, input, info)

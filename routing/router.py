@@ -1,12 +1,17 @@
 """The offline router: prefix features + (product) k-means, frozen in a directory.
 
+Every router reads one input, the first ``routing.prefix_tokens`` (32) tokens of a document decoded
+(``dipaco.routing.prefix``), and keeps its own copy of the tokenizer for that: what decides a
+document's path when it is sharded decides it when it is scored, generated or re-routed.
+
 For grid (K_1, ..., K_L) the feature vector is split into L slices and each slice gets its own
 k-means with K_l centroids; a document's path is the tuple of its nearest centroid per level
 (product k-means, DiPaCo §2.4). A flat grid (K,) is plain k-means.
 
-Every router kind (``kmeans`` here, ``discriminative`` in ``dipaco.routing.discriminative``) scores a
-document against every path with ``path_distances`` (lower is nearer) and routes to the nearest path;
-``Router.load(dir)`` reads either kind, so ``Router.load(dir).route(texts)`` works the same for all.
+Every router kind (``kmeans`` here, ``random`` (``HashRouter``, the i.i.d. control), and
+``discriminative`` in ``dipaco.routing.discriminative``) scores a document against every path (lower
+is nearer) and routes to the nearest path; ``Router.load(dir)`` reads any kind, so
+``Router.load(dir).route(texts)`` works the same for all. ``dipaco.routing.fit.fit_router`` builds them.
 
 With ``balance`` the router also keeps a per-path offset (``bias``), calibrated on the fitting sample so
 that no path takes more than F x the mean share; it is added to the distances whenever the router
@@ -15,6 +20,7 @@ routes, so evaluation routes documents the way the shards were built.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from pathlib import Path
@@ -23,43 +29,60 @@ import numpy as np
 
 from dipaco.errors import DipacoError
 from dipaco.grid import format_grid, parse_grid
-from dipaco.routing.features import load_features, make_features
+from dipaco.routing.features import load_features
+from dipaco.routing.prefix import PrefixInput
 from dipaco.routing.kmeans import balanced_assignment, calibrate_bias, fit_kmeans, split_dims, squared_distances
 
 
 class BaseRouter:
-    """What every router kind shares: path ids, routing by nearest path, top-k, assignment."""
+    """What every router kind shares: its input (the decoded token prefix, ``PrefixInput``), path ids,
+    routing by nearest path, top-k, assignment. A kind defines ``text_distances`` (or, with features,
+    ``path_distances``)."""
 
     kind = "base"
     features = None
+    input: PrefixInput
     shape: tuple[int, ...] = (1,)
 
     def path_distances(self, x: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def text_distances(self, texts: list[str]) -> np.ndarray:
+        """(n, P) distances (lower is nearer) of routing texts, i.e. texts that already are this router's input."""
+        return self.path_distances(self.features.transform(texts))
+
+    def distances_of_ids(self, ids) -> np.ndarray:
+        """(n, P) distances of token sequences: the router reads the first ``input.tokens`` of each."""
+        if not len(ids):
+            return np.zeros((0, len(self.paths)), dtype=np.float32)
+        return self.text_distances(self.input.texts_of_ids(ids))
+
+    def distances(self, texts: list[str]) -> np.ndarray:
+        return self.distances_of_ids(self.input.encode(_check_texts(texts)))
+
     @property
     def paths(self) -> list[str]:
         return ["-".join(map(str, c)) for c in itertools.product(*(range(k) for k in self.shape))]
 
-    def assign_features(self, x: np.ndarray) -> list[str]:
+    def route_ids(self, ids) -> list[str]:
+        """Path id of every token sequence (by its first ``input.tokens`` tokens)."""
         paths = self.paths
-        return [paths[j] for j in self.path_distances(x).argmin(axis=1).tolist()]
+        return [paths[j] for j in self.distances_of_ids(ids).argmin(axis=1).tolist()]
 
     def route(self, texts: list[str]) -> list[str]:
-        """Path id of every text (by its prefix)."""
-        texts = _check_texts(texts)
-        return self.assign_features(self.features.transform(texts)) if texts else []
+        """Path id of every text (by its first ``input.tokens`` tokens, decoded)."""
+        return self.route_ids(self.input.encode(_check_texts(texts)))
 
-    def route_topk(self, texts: list[str], k: int) -> list[list[tuple[str, float]]]:
-        """The k nearest paths of every text with their distances (lower = nearer), nearest first."""
-        texts = _check_texts(texts)
-        if not texts:
-            return []
-        d = self.path_distances(self.features.transform(texts))
+    def route_topk_ids(self, ids, k: int) -> list[list[tuple[str, float]]]:
+        """The k nearest paths of every token sequence with their distances (lower = nearer), nearest first."""
+        d = self.distances_of_ids(ids)
         k = max(1, min(k, d.shape[1]))
         order = np.argsort(d, axis=1, kind="stable")[:, :k]
         paths = self.paths
         return [[(paths[j], float(d[i, j])) for j in row] for i, row in enumerate(order.tolist())]
+
+    def route_topk(self, texts: list[str], k: int) -> list[list[tuple[str, float]]]:
+        return self.route_topk_ids(self.input.encode(_check_texts(texts)), k)
 
     def assign(self, texts: list[str], balance: float = 0.0, overlap: int = 1) -> list[str] | list[list[str]]:
         """In-memory assignment: nearest path, or with ``balance`` F > 0 no path above F x the mean share
@@ -68,7 +91,7 @@ class BaseRouter:
         texts = _check_texts(texts)
         if not texts:
             return []
-        d = self.path_distances(self.features.transform(texts))
+        d = self.distances(texts)
         primary = balanced_assignment(d, balance) if balance > 0 else d.argmin(axis=1)
         paths = self.paths
         if overlap <= 1:
@@ -85,39 +108,52 @@ def top_paths(distances: np.ndarray, primary: np.ndarray, n: int) -> list[list[i
     return out
 
 
+class HashRouter(BaseRouter):
+    """The i.i.d. control (``dipaco shard --assign random``): a seeded hash of the routing text picks a
+    uniform path, so shards are i.i.d. and eval still routes a document the way it was sharded."""
+
+    kind = "random"
+
+    def __init__(self, shape: tuple[int, ...], input: PrefixInput, seed: int = 0):
+        self.shape, self.input, self.seed = tuple(shape), input, int(seed)
+
+    def text_distances(self, texts: list[str]) -> np.ndarray:
+        n, P = len(texts), len(self.paths)
+        d = np.ones((n, P), dtype=np.float32)
+        for i, t in enumerate(texts):
+            h = hashlib.blake2b(f"{self.seed}\0{t}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
+            d[i, int.from_bytes(h, "little") % P] = 0.0
+        return d
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "grid": format_grid(self.shape), "seed": self.seed, "input": self.input.describe(),
+                "rule": "path = blake2b(seed, routing text) mod P"}
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.input.save(directory / "input")
+        (directory / "router.json").write_text(json.dumps(self.describe(), indent=2))
+
+
 class Router(BaseRouter):
     kind = "kmeans"
 
     def __init__(self, features, shape: tuple[int, ...], centroids: list[np.ndarray], dims: list[np.ndarray], split: str,
-                 spherical: bool = False, bias: np.ndarray | None = None):
+                 input: PrefixInput, spherical: bool = False, bias: np.ndarray | None = None):
         self.features, self.shape, self.centroids, self.dims, self.split = features, shape, centroids, dims, split
-        self.spherical = spherical
+        self.input, self.spherical = input, spherical
         self.bias = None if bias is None else np.asarray(bias, dtype=np.float32)
 
     @classmethod
-    def fit(cls, texts: list[str], grid: str, features: str = "tfidf", prefix_chars: int = 1024,
-            max_tfidf_features: int = 50_000, svd_dims: int = 64, kmeans_iters: int = 25,
-            product_split: str = "interleaved", seed: int = 0, spherical: bool = True, balance: float = 0.0,
-            feature_model: str | None = None, prefix_tokens: int = 32, feature_batch_size: int = 32,
-            copy_feature_model: bool = True, progress: bool = False, kmeans_restarts: int = 16) -> "Router":
-        """Fit features and (product) k-means on ``texts`` (a sample); with ``balance`` calibrate the path offsets."""
-        shape = parse_grid(grid)
-        texts = _check_texts(texts)
-        feats = make_features(features, prefix_chars, max_tfidf_features, svd_dims, seed, feature_model,
-                              prefix_tokens, feature_batch_size, copy_feature_model)
-        feats.progress = progress
-        feats.fit(texts)
-        x = feats.transform(texts)
-        return cls.fit_features(feats, x, shape, kmeans_iters, product_split, seed, spherical, balance, kmeans_restarts)
-
-    @classmethod
-    def fit_features(cls, feats, x: np.ndarray, shape: tuple[int, ...], kmeans_iters: int = 25,
+    def fit_features(cls, feats, x: np.ndarray, shape: tuple[int, ...], input: PrefixInput, kmeans_iters: int = 25,
                      product_split: str = "interleaved", seed: int = 0, spherical: bool = True,
                      balance: float = 0.0, kmeans_restarts: int = 1) -> "Router":
+        """(Product) k-means on the feature rows ``x``; with ``balance`` calibrate the path offsets on them."""
         dims = split_dims(x.shape[1], len(shape), product_split)
         centroids = [fit_kmeans(x[:, d], k, kmeans_iters, seed + level, spherical, kmeans_restarts)
                      for level, (d, k) in enumerate(zip(dims, shape))]
-        router = cls(feats, shape, centroids, dims, product_split, spherical)
+        router = cls(feats, shape, centroids, dims, product_split, input, spherical)
         if balance > 0:
             router.bias = calibrate_bias(router.path_distances(x), balance)
         return router
@@ -139,11 +175,13 @@ class Router(BaseRouter):
     # ------------------------------------------------------------ persistence
     def describe(self) -> dict:
         return {"kind": self.kind, "grid": format_grid(self.shape), "product_split": self.split,
-                "spherical": self.spherical, "balanced": self.bias is not None, "features": self.features.describe()}
+                "spherical": self.spherical, "balanced": self.bias is not None, "input": self.input.describe(),
+                "features": self.features.describe()}
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        self.input.save(directory / "input")
         self.features.save(directory / "features")
         for level, (c, d) in enumerate(zip(self.centroids, self.dims)):
             np.save(directory / f"centroids_L{level}.npy", c)
@@ -168,6 +206,8 @@ class Router(BaseRouter):
             from dipaco.routing.discriminative import DiscriminativeRouter
 
             return DiscriminativeRouter.load(directory)
+        if kind == "random":
+            return HashRouter(parse_grid(spec["grid"]), PrefixInput.load(directory / "input"), int(spec["seed"]))
         if kind != "kmeans":
             raise DipacoError(f"router kind {kind!r} in {directory} is not supported by this version of dipaco")
         try:
@@ -178,7 +218,7 @@ class Router(BaseRouter):
         except (OSError, ValueError, KeyError) as exc:
             raise DipacoError(f"router in {directory} is incomplete or damaged ({exc}); re-run `dipaco shard`") from None
         return cls(load_features(directory / "features"), shape, centroids, dims, spec.get("product_split", "contiguous"),
-                   spec.get("spherical", False), bias)
+                   PrefixInput.load(directory / "input"), spec.get("spherical", False), bias)
 
 
 def _check_texts(texts) -> list[str]:

@@ -59,7 +59,7 @@ def inspect(shards_dir: str | Path, png: str | Path | None = None, terms: int = 
                      "labels": top_labels, "terms": tops[p] if tops else None,
                      "openings": openings(shards, p) if s["train_docs"] else []})
     summary = {"shards": str(shards.root), "grid": shards.grid, "router": router.kind,
-               "features": router.features.describe().get("kind"), "paths": rows,
+               "features": router.features.describe().get("kind") if router.features is not None else router.kind, "paths": rows,
                "path_sizes": m.get("path_sizes"), "dropped": m.get("dropped"), "reshard": m.get("reshard")}
     if png is not None:
         summary["png"] = str(plot_sizes(rows, png, f"{shards.root.name}: grid {shards.grid}, {router.kind} router"))

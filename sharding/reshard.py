@@ -3,7 +3,8 @@
 1. Score every held-aside router document (``SHARDS/router_docs/docs.jsonl``, never trained on) under
    every path of the run; its label is the path with the lowest loss (mean NLL per scored token; the
    routing prefix is not scored).
-2. Fit a multinomial logistic regression from the shard router's prefix features to the labels, on a
+2. Fit a multinomial logistic regression from the shard router's prefix features (the features of the
+   decoded first 32 tokens, the input every router reads) to the labels, on a
    seeded part of the router documents; shift its bias so that the predicted path distribution matches
    the target (the current shard sizes, or uniform), so no path collapses. Report the accuracy against
    the loss labels on the rest (and the k-means router's, for reference).
@@ -33,15 +34,7 @@ from dipaco.scoring import document_nll
 from dipaco.shards import ShardSet
 from dipaco.sharding.tokenizer import encode
 from dipaco.routing.router import top_paths
-from dipaco.sharding.writer import ShardWriter, histogram
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise DipacoError(f"{path} is missing; re-shard with a dipaco that keeps router documents "
-                          f"(data.router_fraction > 0)")
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+from dipaco.sharding.writer import ShardWriter, heldout_purity, histogram, route_agreement
 
 
 def loss_matrix(run: Run, paths: list[str], ids: list[list[int]], at_round: int | None = None,
@@ -80,7 +73,11 @@ def reshard(run_dir: str | Path, shards_dir: str | Path, out: str | Path, target
     paths = shards.paths
     if run.grid.paths != paths:
         raise DipacoError(f"run {run.root} has paths {run.grid.paths}, the shards {paths}; use the matching run")
-    docs = _read_jsonl(shards.root / "router_docs" / "docs.jsonl")
+    old = Router.load(shards.root / "router")
+    if old.features is None:
+        raise DipacoError(f"the router of {shards.root} ({old.kind}) has no features to fit a discriminative router on; "
+                          f"re-shard with --assign kmeans")
+    docs = shards.router_docs()
     tok = shards.tokenizer()
     context = run.config.eval.context_tokens
     ids = [t[:max_tokens] for t in encode(tok, [d["text"] for d in docs])]
@@ -92,15 +89,14 @@ def reshard(run_dir: str | Path, shards_dir: str | Path, out: str | Path, target
 
     losses = loss_matrix(run, paths, ids, at_round, progress)
     labels = losses.argmin(axis=1)
-    old = Router.load(shards.root / "router")
-    x = old.features.transform([d["text"] for d in docs])
+    x = old.features.transform(old.input.texts_of_ids(ids))  # the same prefix features eval will route by
     order = np.random.default_rng(seed).permutation(len(docs))
     n_test = max(1, int(np.floor(len(docs) * holdout_fraction + 0.5)))
     test, fit = np.sort(order[:n_test]), np.sort(order[n_test:])
     sizes = np.asarray([shards.manifest["paths"][p]["train_docs"] + shards.manifest["paths"][p]["val_docs"] for p in paths],
                        dtype=np.float64)
     target_shares = sizes + 1.0 if target == "current" else np.ones(len(paths))
-    new = fit_discriminative(old.features, x[fit], labels[fit], old.shape, target_shares, seed)
+    new = fit_discriminative(old.features, x[fit], labels[fit], old.shape, target_shares, old.input, seed)
     new.info.update({"run": str(run.root.resolve()), "round": run.latest() if at_round is None else at_round,
                      "source_shards": shards.fingerprint, "target_mode": target})
     predicted = new.path_distances(x[test]).argmin(axis=1)
@@ -124,8 +120,7 @@ def reshard(run_dir: str | Path, shards_dir: str | Path, out: str | Path, target
 
         def flush():
             nonlocal moved, total
-            texts = tok.batch_decode([t[:-1].tolist() for t, _, _ in batch])
-            d = new.path_distances(new.features.transform(texts))
+            d = new.distances_of_ids([t[:-1] for t, _, _ in batch])  # without the EOS the writer appended
             primary = d.argmin(axis=1)
             for (tokens, was, split), targets in zip(batch, top_paths(d, primary, overlap)):
                 chosen = targets if split == "train" else targets[:1]
@@ -156,7 +151,8 @@ def reshard(run_dir: str | Path, shards_dir: str | Path, out: str | Path, target
         writer.close()
 
         for sub, name in (("heldout", "docs.jsonl"), ("router_docs", "docs.jsonl")):
-            rows = _read_jsonl(shards.root / sub / name) if (shards.root / sub / name).is_file() else []
+            f = shards.root / sub / name
+            rows = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()] if f.is_file() else []
             routes = new.route([r["text"] for r in rows]) if rows else []
             (tmp / sub).mkdir()
             with open(tmp / sub / name, "w", encoding="utf-8") as fh:
@@ -176,6 +172,8 @@ def reshard(run_dir: str | Path, shards_dir: str | Path, out: str | Path, target
             "path_sizes": histogram([s["train_docs"] + s["val_docs"] for s in stats.values()]),
             "router": {"sha256": router_hash, **json.loads((tmp / "router" / "router.json").read_text())},
             "tokenizer": {**shards.manifest["tokenizer"], "sha256": tokenizer_hash},
+            "route_agreement": route_agreement(tmp, 0, total),
+            "purity": {"train": None, "heldout": heldout_purity(tmp)},
             "fingerprint": fingerprint, "reshard": {"source": str(shards.root.resolve()), "run": str(run.root.resolve()),
                                                     **report},
             "versions": {"dipaco": dipaco.__version__},

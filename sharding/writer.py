@@ -8,9 +8,10 @@ Two streaming passes keep memory bounded however large the corpus grows:
    corpus, not its first files), and keep a seeded reservoir sample of
    ``routing.fit_sample`` training documents (each cut to ``SAMPLE_CHARS``). The tokenizer and the
    router are fitted on that sample.
-2. read the records again and, batch by batch, route the training documents (features, nearest path,
-   the ``--balance`` cap, ``--overlap`` copies), tokenize them (the tokenizer's Rust thread pool,
-   ``num_proc`` threads) and append the tokens and document offsets to the per-path files.
+2. read the records again and, batch by batch, tokenize them (the tokenizer's Rust thread pool,
+   ``num_proc`` threads), route every document by its decoded first ``routing.prefix_tokens`` tokens
+   (the router's one input, the same eval and generate use; nearest path, the ``--balance`` cap,
+   ``--overlap`` copies) and append the tokens and document offsets to the per-path files.
 
 Everything is written under a temporary directory renamed into place at the end (``atomic_dir``), so a
 failure leaves nothing behind. Same inputs and seed give a byte-identical directory (manifest
@@ -35,7 +36,7 @@ from dipaco.errors import DipacoError
 from dipaco.grid import parse_grid
 from dipaco.io import atomic_dir, sha256_dir, write_json
 from dipaco.routing import Router
-from dipaco.routing.router import BaseRouter
+from dipaco.routing.fit import fit_router
 from dipaco.shards import FORMAT, FORMAT_VERSION
 from dipaco.sharding.sources import DocumentFilter, describe_inputs, iter_rows
 from dipaco.sharding.tokenizer import encode, load_tokenizer, tokenizer_sha256, train_tokenizer
@@ -204,18 +205,18 @@ class ShardWriter:
 
 
 class StreamAssigner:
-    """Batch assignment of training documents while streaming: nearest path (distances include the
-    router's balance offsets), a hard cap of ``capacity`` documents per path when balancing (overflow
-    spills to the next-nearest path with room), and ``overlap`` - 1 extra paths for training documents."""
+    """Batch assignment of training documents while streaming: nearest path (the router's distances,
+    balance offsets included), a hard cap of ``capacity`` documents per path when balancing (overflow
+    spills to the next-nearest path with room: the only case where a document trains on another path
+    than the router answers; counted in ``spilled``), and ``overlap`` - 1 extra paths for training documents."""
 
-    def __init__(self, router: BaseRouter, capacity: int | None, overlap: int):
-        self.router, self.capacity, self.overlap = router, capacity, max(1, overlap)
-        self.load = np.zeros(len(router.paths), dtype=np.int64)
+    def __init__(self, num_paths: int, capacity: int | None, overlap: int):
+        self.capacity, self.overlap = capacity, max(1, overlap)
+        self.load = np.zeros(num_paths, dtype=np.int64)
         self.spilled = 0
         self.overlap_copies = 0
 
-    def assign(self, x: np.ndarray, is_val: list[bool]) -> list[list[int]]:
-        d = self.router.path_distances(x)
+    def assign(self, d: np.ndarray, is_val: list[bool]) -> list[list[int]]:
         order = np.argsort(d, axis=1, kind="stable")
         out = []
         for row, val in zip(order.tolist(), is_val):
@@ -238,13 +239,6 @@ class StreamAssigner:
 
 def _write_jsonl(fh, text: str, label: str | None, path: str) -> None:
     fh.write(json.dumps({"text": text, "label": label, "path": path}, ensure_ascii=False) + "\n")
-
-
-def fit_router(sample_texts: list[str], cfg: ShardConfig, progress: bool) -> Router:
-    r = cfg.routing
-    return Router.fit(sample_texts, cfg.grid, r.features, r.prefix_chars, r.max_tfidf_features, r.svd_dims,
-                      r.kmeans_iters, r.product_split, cfg.seed, r.spherical, r.balance, r.feature_model or None,
-                      r.prefix_tokens, r.feature_batch_size, r.copy_feature_model, progress, r.kmeans_restarts)
 
 
 def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: str | None = None,
@@ -274,14 +268,14 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
         dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max else np.uint32
         t_tok = time.perf_counter() - began
 
-        router = fit_router([t for t, _ in sample], cfg, progress)
+        router = fit_router([t for t, _ in sample], cfg.grid, tok, cfg.seed, progress, cfg=cfg.routing)
         router.save(tmp / "router")
         paths = router.paths
         del sample
         t_router = time.perf_counter() - began
 
         capacity = int(np.ceil(r.balance * counts["train"] / num_paths)) if r.balance > 0 else None
-        assigner = StreamAssigner(router, capacity, r.overlap)
+        assigner = StreamAssigner(num_paths, capacity, r.overlap)
         writer = ShardWriter(tmp, paths, dtype, eos)
         val_draw = _Uniform(cfg.seed, 3)
         (tmp / "heldout").mkdir()
@@ -289,37 +283,33 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
         heldout_fh = open(tmp / "heldout" / "docs.jsonl", "w", encoding="utf-8")
         router_fh = open(tmp / "router_docs" / "docs.jsonl", "w", encoding="utf-8")
         filt = DocumentFilter(d.min_chars, d.max_chars, dedup=False)  # roles already hold the dedup decision
-        bar = tqdm(total=len(roles), desc="route+tokenize+write", unit="doc", disable=not progress, dynamic_ncols=True)
+        bar = tqdm(total=len(roles), desc="tokenize+route+write", unit="doc", disable=not progress, dynamic_ncols=True)
         batch: list[tuple[str, str | None, int]] = []
-        # Tokenizing batch k (Rust, releases the GIL) overlaps with routing batch k+1 (features in Python);
-        # batches are written strictly in order, so the output does not depend on timing.
+        # Tokenizing batch k (Rust, releases the GIL) overlaps with routing and writing batch k-1 (Python);
+        # batches are written strictly in order, so the output does not depend on timing. Every document is
+        # routed from its own tokens (the decoded prefix), exactly as eval and generate will route it.
         pool = ThreadPoolExecutor(max_workers=1)
         pending: list = []
 
-        def write_pending():
-            if pending:
-                future, rows = pending.pop()
-                for tokens, (targets, split, label) in zip(future.result(), rows):
-                    writer.write(tokens, targets, split, label)
-
-        def flush():
-            texts = [t for t, _, _ in batch]
-            x = router.features.transform(texts)
-            train_rows = [i for i, (_, _, role) in enumerate(batch) if role == TRAIN]
-            aside = [i for i, (_, _, role) in enumerate(batch) if role != TRAIN]
-            if aside:
-                nearest = router.assign_features(x[aside])
-                for i, p in zip(aside, nearest):
-                    text, label, role = batch[i]
-                    _write_jsonl(heldout_fh if role == HELDOUT else router_fh, text, label, p)
+        def route_and_write():
+            if not pending:
+                return
+            future, rows = pending.pop()
+            ids = future.result()
+            dist = router.distances_of_ids(ids)
+            train_rows = [i for i, (_, _, role) in enumerate(rows) if role == TRAIN]
+            for i, (text, label, role) in enumerate(rows):
+                if role != TRAIN:
+                    _write_jsonl(heldout_fh if role == HELDOUT else router_fh, text, label, paths[int(dist[i].argmin())])
             if train_rows:
                 is_val = [val_draw() < d.val_fraction for _ in train_rows]
-                chosen = assigner.assign(x[train_rows], is_val)
-                future = pool.submit(encode, tok, [texts[i] for i in train_rows])
-                rows = [([paths[j] for j in targets], "val" if val else "train", batch[i][1])
-                        for i, val, targets in zip(train_rows, is_val, chosen)]
-                write_pending()
-                pending.append((future, rows))
+                for i, val, targets in zip(train_rows, is_val, assigner.assign(dist[train_rows], is_val)):
+                    writer.write(ids[i], [paths[j] for j in targets], "val" if val else "train", rows[i][1])
+
+        def flush():
+            future = pool.submit(encode, tok, [t for t, _, _ in batch])
+            route_and_write()
+            pending.append((future, list(batch)))
             bar.update(len(batch))
             batch.clear()
 
@@ -334,7 +324,7 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
                     flush()
             if batch:
                 flush()
-            write_pending()
+            route_and_write()
         finally:
             pool.shutdown(wait=True)
             bar.close()
@@ -357,8 +347,11 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
             "truncated": scanned["dropped"]["truncated"], "invalid_utf8": scanned["invalid_utf8"],
             "inputs": input_info,
             "path_sizes": histogram(sizes),
-            "assignment": {"balance": r.balance, "capacity": capacity, "spilled": assigner.spilled,
+            "assignment": {"assign": r.assign, "cluster_on": r.cluster_on, "prefix_tokens": r.prefix_tokens,
+                           "balance": r.balance, "capacity": capacity, "spilled": assigner.spilled,
                            "overlap": r.overlap, "overlap_copies": assigner.overlap_copies},
+            "route_agreement": route_agreement(tmp, assigner.spilled, counts["train"]),
+            "purity": {"train": purity(labels)["overall"], "heldout": heldout_purity(tmp)},
             "tokenizer": {"source": str(tokenizer_dir) if tokenizer_dir else "trained", "sha256": tokenizer_hash},
             "router": {"sha256": router_hash, "fit_documents": min(r.fit_sample, counts["train"]),
                        **json.loads((tmp / "router" / "router.json").read_text())},
@@ -372,6 +365,34 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
         write_json(tmp / "manifest.json", manifest)
         (tmp / "config.toml").write_text(to_toml(cfg))
     return manifest
+
+
+def _aside_docs(root: Path, sub: str = "heldout") -> list[dict]:
+    f = root / sub / "docs.jsonl"
+    if not f.is_file():
+        return []
+    with open(f, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def route_agreement(root: Path, spilled: int, train_documents: int) -> dict:
+    """Share of held-out documents whose path, as written by the shard stage, is the path the frozen router
+    (``Router.load(root/router)``, as ``dipaco eval`` loads it) answers from the text alone; 1.0 when routing
+    is one function. Training documents differ only where the ``--balance`` cap spilled them."""
+    docs = _aside_docs(root)
+    routes = Router.load(root / "router").route([x["text"] for x in docs]) if docs else []
+    same = sum(r == x["path"] for r, x in zip(routes, docs))
+    return {"heldout": same / len(docs) if docs else None, "heldout_documents": len(docs),
+            "train": 1.0 - spilled / train_documents if train_documents else None}
+
+
+def heldout_purity(root: Path) -> float | None:
+    counts: dict[str, dict[str, int]] = {}
+    for x in _aside_docs(root):
+        if x.get("label") is not None:
+            c = counts.setdefault(x["path"], {})
+            c[x["label"]] = c.get(x["label"], 0) + 1
+    return purity(counts)["overall"] if counts else None
 
 
 def purity(labels_per_path: dict[str, dict[str, int]]) -> dict:

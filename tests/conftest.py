@@ -48,3 +48,11 @@ def shards_2x2(corpus_file, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("shards") / "s2x2"
     shard([str(corpus_file)], shard_config("2x2"), out, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def tok(shards_2x2):
+    """The tokenizer of the session's shards (routers read the decoded token prefix)."""
+    from dipaco.shards import ShardSet
+
+    return ShardSet(shards_2x2).tokenizer()

@@ -60,26 +60,41 @@ def test_route_every_w_at_least_doc_length_equals_once_per_doc(report):
     assert wide["per_path"] == once["per_path"]
 
 
+class _Recorder:
+    """A router that records the token runs it is given and answers by their content (so paths switch)."""
+
+    def __init__(self, paths, tokens):
+        self.paths, self.seen = paths, []
+        self.input = type("Input", (), {"tokens": tokens})()
+
+    def route_ids(self, ids):
+        self.seen += [list(x) for x in ids]
+        return [self.paths[sum(x[: self.input.tokens]) % len(self.paths)] for x in ids]
+
+
 def test_route_every_w_uses_previous_window_and_full_context(run_dir, shards_2x2, report):
     run, shards = Run(run_dir), ShardSet(shards_2x2)
     _, ids = heldout_tokens(shards, run.config.eval.max_tokens_per_doc)
-    ids = [max(ids, key=len)]
-    assert len(ids[0]) > 100
-
-    class Recorder:  # a router that records what it sees and answers by text length
-        seen = []
-
-        def route(self, texts):
-            self.seen += texts
-            return [run.grid.paths[len(t) % 4] for t in texts]
-
-    tok = shards.tokenizer()
-    rec = Recorder()
-    segs = every_w_segments(rec, tok, ids, context=32, w=16, r=run.latest())
-    lo0 = 32
-    assert [s[:2] for s in segs[0]] == [(lo, min(lo + 16, len(ids[0]))) for lo in range(lo0, len(ids[0]), 16)]
-    assert rec.seen[0] == tok.decode(ids[0][:32]) and rec.seen[1] == tok.decode(ids[0][32:48])
+    long_doc = max(ids, key=len)
+    assert len(long_doc) > 100
+    # a document with no scored chunk first: it must not put the long document's chunks out of step
+    ids = [long_doc[:20], long_doc]
+    shard_rec, window_rec = _Recorder(run.grid.paths, 32), _Recorder(run.grid.paths, 16)
+    segs = every_w_segments(shard_rec, window_rec, ids, context=32, w=16, r=run.latest())
+    assert segs[0] == []
+    cuts = [(lo, min(lo + 16, len(long_doc))) for lo in range(32, len(long_doc), 16)]
+    assert [s[:2] for s in segs[1]] == cuts
+    # chunk 0 follows the document's route (shard router on its first tokens); chunk k >= 1 the window
+    # router on exactly the 16 tokens before it
+    assert segs[1][0][2][0][0] == shard_rec.route_ids([long_doc])[0]
+    assert window_rec.seen == [long_doc[lo - 16:lo] for lo, _ in cuts[1:]]
+    assert [s[2][0][0] for s in segs[1][1:]] == window_rec.route_ids([long_doc[lo - 16:lo] for lo, _ in cuts[1:]])
+    # without a window router the shard router reads the 32 tokens before each chunk
+    shard_only = _Recorder(run.grid.paths, 32)
+    every_w_segments(shard_only, None, [long_doc], context=32, w=16, r=run.latest())
+    assert shard_only.seen[1:] == [long_doc[lo - 32:lo] for lo, _ in cuts[1:]]
     # every chunk is scored by its path with the tokens before it in the window as context
+    ids, segs = [long_doc], segs[1:]
     scorer = Scorer(run, ids, batch_size=4, progress=False)
     per_doc, _ = scorer.score(segs)
     models = {p: run.path_model(p).model for p in run.grid.paths}
@@ -90,6 +105,7 @@ def test_route_every_w_uses_previous_window_and_full_context(run_dir, shards_2x2
     assert per_doc[0][0] == pytest.approx(want, rel=1e-5)
     w16 = report["methods"]["dipaco every-16"]
     assert w16["tokens"] == report["methods"]["dipaco"]["tokens"] and math.isfinite(w16["perplexity"])
+    assert "shard router on the previous 32 tokens" in w16["routing"]
 
 
 def test_oracle_below_routed_below_random(report):

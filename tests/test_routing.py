@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dipaco.errors import DipacoError
-from dipaco.routing import Router
+from dipaco.routing import Router, fit_router
 from dipaco.routing.kmeans import balanced_assignment, split_dims
 
 
@@ -15,8 +15,8 @@ def texts(corpus_file):
     return [json.loads(line)["text"] for line in open(corpus_file, encoding="utf-8")]
 
 
-def test_fit_save_load_route_round_trip(texts, tmp_path):
-    router = Router.fit(texts, "4", svd_dims=16, seed=0)
+def test_fit_save_load_route_round_trip(texts, tmp_path, tok):
+    router = fit_router(texts, "4", tok, svd_dims=16, seed=0)
     routes = router.route(texts)
     assert set(routes) <= {"0", "1", "2", "3"} and len(set(routes)) > 1
     router.save(tmp_path / "router")
@@ -25,16 +25,16 @@ def test_fit_save_load_route_round_trip(texts, tmp_path):
     assert np.allclose(loaded.features.transform(texts[:20]), router.features.transform(texts[:20]), atol=1e-6)
 
 
-def test_deterministic_under_a_seed(texts):
-    a = Router.fit(texts, "2x2", svd_dims=16, seed=3).route(texts)
-    b = Router.fit(texts, "2x2", svd_dims=16, seed=3).route(texts)
+def test_deterministic_under_a_seed(texts, tok):
+    a = fit_router(texts, "2x2", tok, svd_dims=16, seed=3).route(texts)
+    b = fit_router(texts, "2x2", tok, svd_dims=16, seed=3).route(texts)
     assert a == b
 
 
-def test_product_kmeans_path_ids_are_tuples_of_level_centroids(texts):
-    router = Router.fit(texts, "2x3", svd_dims=16, seed=0)
+def test_product_kmeans_path_ids_are_tuples_of_level_centroids(texts, tok):
+    router = fit_router(texts, "2x3", tok, svd_dims=16, seed=0)
     assert router.paths == [f"{i}-{j}" for i in range(2) for j in range(3)]
-    x = router.features.transform(texts[:50])
+    x = router.features.transform(router.input.texts(texts[:50]))  # the router reads the decoded first 32 tokens
     d0, d1 = router.level_distances(x)
     expected = [f"{i}-{j}" for i, j in zip(d0.argmin(1), d1.argmin(1))]
     assert router.route(texts[:50]) == expected
@@ -61,8 +61,8 @@ def test_balanced_assignment_caps_every_cluster():
         balanced_assignment(d, 0.5)
 
 
-def test_bad_router_input(texts, tmp_path):
-    router = Router.fit(texts, "2", svd_dims=8)
+def test_bad_router_input(texts, tmp_path, tok):
+    router = fit_router(texts, "2", tok, svd_dims=8)
     with pytest.raises(DipacoError, match="list of texts"):
         router.route("one string")
     with pytest.raises(DipacoError, match="needs strings"):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dipaco.errors import DipacoError
-from dipaco.routing import Router
+from dipaco.routing import Router, fit_router
 from dipaco.shards import ShardSet
 from dipaco.sharding.writer import shard
 
@@ -56,9 +56,9 @@ def tiny_encoder(shards_2x2, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["lm", "encoder"])
-def test_model_features_route_the_same_after_load(kind, tiny_lm, tiny_encoder, texts, tmp_path):
+def test_model_features_route_the_same_after_load(kind, tiny_lm, tiny_encoder, texts, tmp_path, tok):
     model_dir = tiny_lm if kind == "lm" else tiny_encoder
-    router = Router.fit(texts, "2x2", features=kind, feature_model=str(model_dir), seed=0)
+    router = fit_router(texts, "2x2", tok, features=kind, feature_model=str(model_dir), seed=0)
     x = router.features.transform(texts[:8])
     assert x.shape == (8, 32) and np.allclose(np.linalg.norm(x, axis=1), 1.0, atol=1e-5)
     # only the first 32 tokens matter: a different continuation gives the same features
@@ -73,12 +73,12 @@ def test_model_features_route_the_same_after_load(kind, tiny_lm, tiny_encoder, t
     assert [p for p, _ in loaded.route_topk(texts[:3], 2)[0]][0] == routes[0]
 
 
-def test_referenced_model_is_hash_checked(tiny_lm, texts, tmp_path):
+def test_referenced_model_is_hash_checked(tiny_lm, texts, tmp_path, tok):
     import shutil
 
     model = tmp_path / "lm"
     shutil.copytree(tiny_lm, model)
-    router = Router.fit(texts[:40], "2", features="lm", feature_model=str(model), copy_feature_model=False)
+    router = fit_router(texts[:40], "2", tok, features="lm", feature_model=str(model), copy_feature_model=False)
     router.save(tmp_path / "router")
     assert not (tmp_path / "router" / "features" / "model").exists()
     assert Router.load(tmp_path / "router").route(texts[:5]) == router.route(texts[:5])
@@ -87,14 +87,14 @@ def test_referenced_model_is_hash_checked(tiny_lm, texts, tmp_path):
         Router.load(tmp_path / "router")
 
 
-def test_bad_feature_model_errors(tmp_path, texts):
+def test_bad_feature_model_errors(tmp_path, texts, tok):
     with pytest.raises(DipacoError, match="not a Hugging Face model directory"):
-        Router.fit(texts[:20], "2", features="lm", feature_model=str(tmp_path))
+        fit_router(texts[:20], "2", tok, features="lm", feature_model=str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(DipacoError, match="no .safetensors"):
-        Router.fit(texts[:20], "2", features="encoder", feature_model=str(tmp_path))
+        fit_router(texts[:20], "2", tok, features="encoder", feature_model=str(tmp_path))
     with pytest.raises(DipacoError, match="need a model"):
-        Router.fit(texts[:20], "2", features="lm")
+        fit_router(texts[:20], "2", tok, features="lm")
 
 
 def test_shard_with_lm_features(tiny_lm, corpus_file, shards_2x2, tmp_path):

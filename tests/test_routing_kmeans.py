@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from dipaco.routing import Router
+from dipaco.routing import Router, fit_router
 from dipaco.routing.kmeans import calibrate_bias
 from dipaco.shards import ShardSet
 from dipaco.sharding.writer import shard
@@ -19,18 +19,18 @@ def texts(corpus_file):
     return [json.loads(line)["text"] for line in open(corpus_file, encoding="utf-8")]
 
 
-def test_flat_and_product_routes_are_nearest_paths(texts):
-    flat = Router.fit(texts, "4", svd_dims=16)
+def test_flat_and_product_routes_are_nearest_paths(texts, tok):
+    flat = fit_router(texts, "4", tok, svd_dims=16)
     assert flat.paths == ["0", "1", "2", "3"]
-    d = flat.path_distances(flat.features.transform(texts))
+    d = flat.path_distances(flat.features.transform(flat.input.texts(texts)))
     assert flat.route(texts) == [flat.paths[j] for j in d.argmin(1)]
-    product = Router.fit(texts, "2x2", svd_dims=16, product_split="contiguous")
+    product = fit_router(texts, "2x2", tok, svd_dims=16, product_split="contiguous")
     assert [len(x) for x in product.dims] == [8, 8]
     assert len(set(product.route(texts))) >= 3
 
 
-def test_spherical_centroids_are_unit_vectors(texts, tmp_path):
-    router = Router.fit(texts, "3", svd_dims=16, spherical=True)
+def test_spherical_centroids_are_unit_vectors(texts, tmp_path, tok):
+    router = fit_router(texts, "3", tok, svd_dims=16, spherical=True)
     assert np.allclose(np.linalg.norm(router.centroids[0], axis=1), 1.0, atol=1e-4)
     router.save(tmp_path / "r")
     loaded = Router.load(tmp_path / "r")
@@ -46,9 +46,9 @@ def test_calibrated_bias_caps_the_sample():
     assert counts.max() <= np.ceil(1.1 * 400 / 4) and counts.min() > 0
 
 
-def test_balanced_router_keeps_paths_near_the_mean(texts, tmp_path):
-    plain = collections.Counter(Router.fit(texts, "4", svd_dims=16).route(texts))
-    balanced_router = Router.fit(texts, "4", svd_dims=16, balance=1.1)
+def test_balanced_router_keeps_paths_near_the_mean(texts, tmp_path, tok):
+    plain = collections.Counter(fit_router(texts, "4", tok, svd_dims=16).route(texts))
+    balanced_router = fit_router(texts, "4", tok, svd_dims=16, balance=1.1)
     balanced = collections.Counter(balanced_router.route(texts))
     assert max(balanced.values()) <= max(plain.values())
     assert max(balanced.values()) <= 1.25 * len(texts) / 4  # the offsets generalise from the fit sample
@@ -59,8 +59,8 @@ def test_balanced_router_keeps_paths_near_the_mean(texts, tmp_path):
     assert max(assign.values()) <= np.ceil(1.05 * len(texts) / 4)
 
 
-def test_overlap_in_memory(texts):
-    router = Router.fit(texts, "2x2", svd_dims=16)
+def test_overlap_in_memory(texts, tok):
+    router = fit_router(texts, "2x2", tok, svd_dims=16)
     lists = router.assign(texts[:30], overlap=2)
     assert all(len(l) == 2 and l[0] != l[1] for l in lists)
     assert [l[0] for l in lists] == router.route(texts[:30])

@@ -55,6 +55,7 @@ def test_reshard_cli_end_to_end(trained, capsys):
     # the new router is discriminative, loads through Router.load and routes like the manifest says
     router = Router.load(out / "router")
     assert isinstance(router, DiscriminativeRouter) and router.paths == old.paths
+    assert router.input.tokens == 32 and new.manifest["route_agreement"]["heldout"] == 1.0  # the prefix, like every router
     heldout = new.heldout()
     assert router.route([d["text"] for d in heldout]) == [d["path"] for d in heldout]
     # the bias keeps the distribution near the current shard sizes: no path collapses

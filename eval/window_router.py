@@ -1,0 +1,110 @@
+"""The window router of every-W routing (DiPaCo §3, test-time routing): ``dipaco fit-window-router``.
+
+DiPaCo re-routes every W tokens with a router trained for that job: chunk i picks the path of chunk
+i+1. Here the router is a multinomial logistic regression on the shard router's features of the
+previous W tokens (decoded), labelled with the path whose loss on the next W tokens is lowest, fitted
+on the held-aside router documents of the shards (never trained on, never the held-out documents).
+Losses are computed exactly as ``dipaco eval`` scores (same windows, the routing prefix not scored),
+at the run's latest round unless told otherwise. The router is saved with the run
+(``RUN/window_routers/w<W>/``); ``dipaco eval --route-every W`` and ``dipaco generate`` use it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dipaco.errors import DipacoError
+from dipaco.eval.perplexity import Scorer, check_compatible, shard_router, window_router_dir
+from dipaco.io import atomic_dir
+from dipaco.routing.discriminative import fit_discriminative
+from dipaco.run import Run
+from dipaco.shards import ShardSet
+from dipaco.sharding.tokenizer import encode
+
+
+def window_examples(ids: list[list[int]], context: int, w: int) -> list[tuple[int, int, int]]:
+    """(document, chunk start, chunk end) of every chunk k >= 1 of every-W routing: those a window router
+    chooses for (chunk 0 follows the document's routed path)."""
+    lo0 = max(1, context)
+    return [(d, lo, min(lo + w, len(x))) for d, x in enumerate(ids) for lo in range(lo0 + w, len(x), w)]
+
+
+def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, at_round: int | None = None,
+                      max_tokens: int = 4096, holdout_fraction: float = 0.2, seed: int = 0, overwrite: bool = False,
+                      progress: bool = True) -> dict:
+    """Fit and save RUN/window_routers/w<window>; returns its report (accuracies, losses, counts)."""
+    began = time.perf_counter()
+    if window < 1:
+        raise DipacoError(f"--window {window} is not valid; give a window of at least 1 token (e.g. 64)")
+    if not 0.0 < holdout_fraction < 1.0:
+        raise DipacoError(f"--holdout-fraction must be in (0, 1), got {holdout_fraction}")
+    run, shards = Run(run_dir), ShardSet(shards_dir)
+    check_compatible(run, shards)
+    if run.is_dense:
+        raise DipacoError(f"run {run.root} is dense (one path); a window router chooses between paths")
+    out = window_router_dir(run, window)
+    if out.exists() and not overwrite:
+        raise DipacoError(f"{out} already exists; pass --overwrite to fit it again")
+    context = run.config.eval.context_tokens
+    router = shard_router(shards, context)
+    if router.features is None:
+        raise DipacoError(f"the router of {shards.root} ({router.kind}) has no features to learn a window router from; "
+                          f"shard with --assign kmeans")
+    r = run.latest() if at_round is None else at_round
+    if r not in run.rounds:
+        raise DipacoError(f"run {run.root} has no round {r}; available: {run.rounds}")
+
+    docs = shards.router_docs()
+    ids = [t[:max_tokens] for t in encode(shards.tokenizer(), [d["text"] for d in docs])]
+    examples = window_examples(ids, context, window)
+    paths = run.grid.paths
+    if len(examples) < max(10, 2 * len(paths)):
+        raise DipacoError(f"the router documents of {shards.root} give only {len(examples)} windows of {window} tokens; "
+                          f"re-shard with a larger data.router_fraction, or use a smaller --window")
+
+    # per-token losses of every router document under every path, as eval computes them
+    scorer = Scorer(run, ids, run.config.eval.batch_size, progress)
+    lo0 = max(1, context)
+    scorer.ensure([[(lo0, len(x), [(p, r, 1.0)]) for p in paths] for x in ids])
+    losses = np.array([[scorer.nll(p, r, d, lo, hi).sum(dtype=np.float64) for p in paths] for d, lo, hi in examples])
+    labels = losses.argmin(axis=1)
+    windows = [ids[d][lo - window:lo] for d, lo, _ in examples]
+    prefix = router.input.with_tokens(window)
+    x = router.features.transform(prefix.texts_of_ids(windows))
+
+    # accuracy on held-aside documents (whole documents, so no window leaks), then the final fit on all
+    docs_order = np.random.default_rng(seed).permutation(len(ids))
+    test_docs = set(docs_order[:max(1, int(round(len(ids) * holdout_fraction)))].tolist())
+    test = np.array([d in test_docs for d, _, _ in examples])
+    shares = np.bincount(labels, minlength=len(paths)).astype(np.float64) + 1.0
+    held = fit_discriminative(router.features, x[~test], labels[~test], router.shape, shares, prefix, seed)
+    predicted = held.path_distances(x[test]).argmin(axis=1)
+    previous = np.array([paths.index(p) for p in router.route_ids(
+        [ids[d][lo - router.input.tokens:lo] for d, lo, _ in examples])])[test]
+    document = np.array([paths.index(p) for p in router.route_ids([ids[d] for d, _, _ in examples])])[test]
+    t = np.flatnonzero(test)
+    n_tokens = np.array([hi - lo for _, lo, hi in examples])[test].sum()
+
+    def mean_loss(choice):
+        return float(losses[t, choice].sum() / n_tokens) if len(t) else None
+
+    report = {"window": window, "round": r, "examples": len(examples), "router_documents": len(ids),
+              "test_examples": int(test.sum()), "label_shares": (np.bincount(labels, minlength=len(paths)) / len(labels)).round(4).tolist(),
+              "accuracy": float((predicted == labels[test]).mean()) if len(t) else None,
+              "accuracy_shard_router_previous_tokens": float((previous == labels[test]).mean()) if len(t) else None,
+              "accuracy_document_path": float((document == labels[test]).mean()) if len(t) else None,
+              "loss_window_router": mean_loss(predicted), "loss_shard_router_previous_tokens": mean_loss(previous),
+              "loss_document_path": mean_loss(document), "loss_oracle": mean_loss(labels[test])}
+    final = fit_discriminative(router.features, x, labels, router.shape, shares, prefix, seed)
+    final.info.update({"purpose": f"every-{window} routing: input = the previous {window} tokens, label = the path "
+                                  f"with the lowest loss on the next {window}",
+                       "run": str(run.root.resolve()), "shards_fingerprint": shards.fingerprint,
+                       **{k: v for k, v in report.items() if k != "label_shares"}})
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        final.save(tmp)
+    report["seconds"] = round(time.perf_counter() - began, 2)
+    report["out"] = str(out)
+    return report

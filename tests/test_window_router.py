@@ -1,0 +1,78 @@
+"""The window router of every-W routing: fitted on the router documents with loss labels, saved with the
+run, used by `dipaco eval --route-every W` and `dipaco generate`."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dipaco.cli import main
+from dipaco.errors import DipacoError
+from dipaco.eval.api import load
+from dipaco.eval.generate import generate
+from dipaco.eval.perplexity import evaluate
+from dipaco.eval.window_router import window_examples
+from dipaco.routing import Router
+from dipaco.sharding.writer import shard
+
+from conftest import shard_config
+from eval_helpers import PRIVATE, trained_run
+
+W = 16
+
+
+@pytest.fixture(scope="module")
+def fitted(corpus_file, shards_2x2, tmp_path_factory):
+    root = tmp_path_factory.mktemp("window")
+    cfg = shard_config("2x2", "data.router_fraction=0.2", "data.heldout_fraction=0.05")
+    shard([str(corpus_file)], cfg, root / "shards", tokenizer_dir=str(shards_2x2 / "tokenizer"), progress=False)
+    run = trained_run(tmp_path_factory, root / "shards", *PRIVATE)
+    assert main(["fit-window-router", "--run", str(run), "--shards", str(root / "shards"), "--window", str(W),
+                 "--quiet", "--max-tokens", "256"]) == 0
+    return root / "shards", run
+
+
+def test_window_examples_are_the_chunks_after_the_first():
+    ids = [list(range(20)), list(range(100))]
+    ex = window_examples(ids, context=32, w=16)
+    assert ex == [(1, lo, min(lo + 16, 100)) for lo in range(48, 100, 16)]
+
+
+def test_fit_window_router_cli(fitted, capsys):
+    shards, run = fitted
+    folder = run / "window_routers" / f"w{W}"
+    router = Router.load(folder)
+    info = json.loads((folder / "router.json").read_text())
+    assert router.kind == "discriminative" and router.input.tokens == W and router.paths == Router.load(shards / "router").paths
+    assert info["window"] == W and info["examples"] > info["test_examples"] > 0
+    # the labels are the lowest-loss paths: the oracle loss bounds every rule, and routing rules are accuracies
+    assert info["loss_oracle"] <= min(info["loss_window_router"], info["loss_document_path"],
+                                      info["loss_shard_router_previous_tokens"])
+    assert 0 <= info["accuracy"] <= 1 and 0 <= info["accuracy_document_path"] <= 1
+    # refitting needs --overwrite; a dense run or a bad window is refused
+    with pytest.raises(DipacoError, match="already exists"):
+        from dipaco.eval.window_router import fit_window_router
+
+        fit_window_router(run, shards, W, progress=False)
+    assert main(["fit-window-router", "--run", str(run), "--shards", str(shards), "--window", "0", "--quiet"]) == 2
+    assert "window of at least 1 token" in capsys.readouterr().err
+
+
+def test_eval_and_generate_use_the_window_router(fitted):
+    shards, run = fitted
+    rep = evaluate({"d": run}, shards, progress=False, route_every=[W, 24])
+    m = rep["methods"]
+    assert "window router" in m[f"d every-{W}"]["routing"] and m[f"d every-{W}"]["window_router"]
+    assert "no window router for 24" in m["d every-24"]["routing"]
+    assert m[f"d every-{W}"]["tokens"] == m["d"]["tokens"] == m["d every-24"]["tokens"]
+    rr = load(run, shards)
+    assert rr.window_sizes() == [W]
+    prompt = json.loads((shards / "heldout" / "docs.jsonl").read_text().splitlines()[0])["text"][:200]
+    g = generate(rr, prompt, max_new_tokens=3 * W, seed=0)  # the run has one window router: it is used
+    assert "window router" in g.router and sum(n for _, n in g.segments) == g.new_tokens
+    assert len(g.segments) == -(-g.new_tokens // W) and g.segments[0][0] == rr.route([prompt])[0]
+    assert abs(sum(w for _, w in g.paths) - 1.0) < 1e-9
+    one = generate(rr, prompt, max_new_tokens=3 * W, seed=0, route_every=0)
+    assert len(one.segments) == 1 and one.router.startswith("shard router")
+    if len({p for p, _ in g.segments}) == 1:  # the same path throughout: the same greedy text
+        assert one.text == g.text
