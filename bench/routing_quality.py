@@ -1,0 +1,202 @@
+"""Routing quality under the quickstart protocol: is the router that shards the one that answers well?
+
+    python bench/routing_quality.py [--corpus shared default] [--out bench/out/routing_quality] [--jobs 2]
+
+For each corpus (the shared five-domain corpus, and the default corpus `dipaco quickstart` builds from
+the machine), with the quickstart's settings (grid 2x2, --balance 1.1, vocabulary 4096, the tiny path,
+16 rounds x 50 inner steps, from scratch):
+
+  1. shard twice with one seed (so one tokenizer and the same held-out, router and validation documents):
+     k-means on the routing prefix (``cluster_on=prefix``), and k-means on whole-document features
+     learned back from the prefix (``cluster_on=document``); both route by the first 32 tokens
+  2. train DiPaCo 2x2 on each, and one dense model with the same inner steps as one path
+  3. choose the variant by routed perplexity on the *validation* documents (never the held-out ones)
+  4. fit the window router for W = 64 on the router documents of the chosen variant
+  5. score the held-out documents: routed once, oracle, random, every-64 with the shard router and with
+     the window router, and the dense model (every row on the same tokens)
+
+It prints the three figures of issue #11 per corpus (routed vs oracle, DiPaCo vs dense, every-64 vs
+once) and writes everything to OUT/routing_quality.json and bench/routing_quality_results.json. Re-running resumes: finished shards, runs and
+reports are reused. Training runs as `--jobs` processes at a time, one thread each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reproduce import DEFAULT_DATA, Job, input_files, rounds_done, run_jobs  # noqa: E402
+
+ROUNDS, H, W = 16, 50, 64
+SHARD_SETS = ["grid=\"2x2\"", "tokenizer.vocab_size=4096", "routing.balance=1.1",
+              # router documents for the window router: the paper keeps 0.5% of a corpus far larger than these
+              "data.router_fraction=0.02"]
+VARIANTS = ("prefix", "document")
+
+
+def corpus_inputs(name: str, work: Path, data: Path) -> list[str]:
+    if name == "shared":
+        if not data.exists():
+            raise SystemExit(f"routing_quality: corpus {data} not found; pass --data or set DIPACO_CORPUS")
+        return [str(f) for f in input_files(data)]
+    from dipaco.sharding.sources import write_default_corpus
+
+    path = work / "corpus.jsonl"
+    if not path.is_file():
+        write_default_corpus(path)  # exactly what `dipaco quickstart` builds
+    return [str(path)]
+
+
+def make_shards(inputs: list[str], work: Path) -> dict[str, Path]:
+    from dipaco.config import ShardConfig, resolve
+    from dipaco.sharding.writer import shard
+
+    dirs = {v: work / f"shards-{v}" for v in VARIANTS}
+    for v, d in dirs.items():
+        if not (d / "manifest.json").is_file():
+            print(f"[shard] {d}")
+            cfg = resolve(ShardConfig, overrides=SHARD_SETS + [f'routing.cluster_on="{v}"'])
+            shard(inputs, cfg, d, progress=True)
+    return dirs
+
+
+def train_job(name: str, shards: Path, run: Path, *sets: str) -> Job | None:
+    if rounds_done(run) >= ROUNDS:
+        return None
+    argv = [sys.executable, "-m", "dipaco.cli", "train", "--shards", str(shards), "--out", str(run), "--quiet",
+            "--rounds", str(ROUNDS), "--inner-steps", str(H), "--preset", "tiny"]
+    for kv in sets:
+        argv += ["--set", kv]
+    if (run / "checkpoints").is_dir():
+        argv.append("--resume")
+    return Job(name, argv)
+
+
+def cached_eval(out: Path, **kwargs) -> dict:
+    from dipaco.eval.perplexity import evaluate
+    from dipaco.io import write_json
+
+    if not out.is_file():
+        write_json(out, evaluate(progress=False, **kwargs))
+    return json.loads(out.read_text())
+
+
+def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
+    from dipaco.eval.window_router import fit_window_router
+    from dipaco.shards import ShardSet
+
+    began = time.perf_counter()
+    work.mkdir(parents=True, exist_ok=True)
+    inputs = corpus_inputs(name, work, data)
+    shards = make_shards(inputs, work)
+    runs = {v: work / "runs" / f"dipaco-{v}" for v in VARIANTS} | {"dense": work / "runs" / "dense"}
+    todo = [train_job(f"{name}-dipaco-{v}", shards[v], runs[v]) for v in VARIANTS]
+    todo.append(train_job(f"{name}-dense", shards["prefix"], runs["dense"], 'grid.shape="1"'))
+    todo = [j for j in todo if j is not None]
+    if todo:
+        print(f"[train] {', '.join(j.name for j in todo)}, {jobs} at a time; logs in {work / 'logs'}")
+        run_jobs(todo, jobs, work / "logs", lambda n: n)
+
+    reports = work / "reports"
+    val = {v: cached_eval(reports / f"val-{v}.json", runs={"dipaco": runs[v]}, shards_dir=shards[v], split="val",
+                          baseline=runs["dense"], oracle=True) for v in VARIANTS}
+    val_ppl = {v: val[v]["methods"]["dipaco"]["perplexity"] for v in VARIANTS}
+    chosen = min(VARIANTS, key=val_ppl.get)
+    print(f"[choose] routed validation perplexity: " + ", ".join(f"{v} {p:.2f}" for v, p in val_ppl.items())
+          + f" -> cluster_on={chosen}")
+
+    # every-64 with the shard router (before the run has a window router), then with the window router
+    test = {v: cached_eval(reports / f"heldout-{v}.json", runs={"dipaco": runs[v]}, shards_dir=shards[v],
+                           baseline=runs["dense"], oracle=True, random=True, route_every=[W]) for v in VARIANTS}
+    window_dir = runs[chosen] / "window_routers" / f"w{W}"
+    if not (window_dir / "router.json").is_file():
+        print(f"[window] fitting the every-{W} router of {runs[chosen]}")
+        fit_window_router(runs[chosen], shards[chosen], W, progress=False)
+    window_info = json.loads((window_dir / "router.json").read_text())
+    val_window = cached_eval(reports / f"val-{chosen}-window.json", runs={"dipaco": runs[chosen]},
+                             shards_dir=shards[chosen], split="val", route_every=[W])
+    test_window = cached_eval(reports / f"heldout-{chosen}-window.json", runs={"dipaco": runs[chosen]},
+                              shards_dir=shards[chosen], route_every=[W])
+
+    m = test[chosen]["methods"]
+    routed, oracle, dense = m["dipaco"]["perplexity"], m["dipaco oracle"]["perplexity"], m["dense baseline"]["perplexity"]
+    every_shard = m[f"dipaco every-{W}"]["perplexity"]
+    every_window = test_window["methods"][f"dipaco every-{W}"]["perplexity"]
+    manifest = ShardSet(shards[chosen]).manifest
+    figures = {
+        "routed_vs_oracle_pct": 100 * (routed / oracle - 1),
+        "dipaco_vs_dense_pct": 100 * (routed / dense - 1),
+        "every64_window_vs_once_pct": 100 * (every_window / routed - 1),
+    }
+    return {
+        "corpus": name, "inputs": inputs, "chosen": chosen, "figures": figures,
+        "heldout": {"documents": test[chosen]["documents"], "scored_tokens": m["dipaco"]["tokens"],
+                    "routed": routed, "oracle": oracle, "random": m["dipaco random"]["perplexity"], "dense": dense,
+                    f"every{W}_shard_router": every_shard, f"every{W}_window_router": every_window,
+                    "other_variant_routed": test[[v for v in VARIANTS if v != chosen][0]]["methods"]["dipaco"]["perplexity"],
+                    "per_label": {k: v["perplexity"] for k, v in m["dipaco"].get("per_label", {}).items()},
+                    "dense_per_label": {k: v["perplexity"] for k, v in m["dense baseline"].get("per_label", {}).items()}},
+        "validation": {v: {"routed": val[v]["methods"]["dipaco"]["perplexity"],
+                           "oracle": val[v]["methods"]["dipaco oracle"]["perplexity"],
+                           "dense": val[v]["methods"]["dense baseline"]["perplexity"], "documents": val[v]["documents"]}
+                       for v in VARIANTS} | {f"{chosen} every{W}_window_router":
+                                             val_window["methods"][f"dipaco every-{W}"]["perplexity"]},
+        "window_router": {k: window_info.get(k) for k in ("examples", "test_examples", "accuracy",
+                                                           "accuracy_shard_router_previous_tokens", "accuracy_document_path",
+                                                           "loss_window_router", "loss_shard_router_previous_tokens",
+                                                           "loss_document_path", "loss_oracle")},
+        "shards": {v: {"route_agreement": ShardSet(shards[v]).manifest["route_agreement"],
+                       "purity": ShardSet(shards[v]).manifest["purity"],
+                       "path_docs": {p: s["train_docs"] + s["val_docs"] for p, s in ShardSet(shards[v]).manifest["paths"].items()}}
+                   for v in VARIANTS},
+        "router_documents": manifest["router_documents"],
+        "seconds_this_invocation": round(time.perf_counter() - began, 1),
+    }
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| corpus | chosen (val) | routed | oracle | routed vs oracle | dense | DiPaCo vs dense | every-64 shard router "
+             "| every-64 window router | every-64 (window) vs once | random |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        h, f = r["heldout"], r["figures"]
+        lines.append(f"| {r['corpus']} | {r['chosen']} | {h['routed']:.2f} | {h['oracle']:.2f} | {f['routed_vs_oracle_pct']:+.1f}% "
+                     f"| {h['dense']:.2f} | {f['dipaco_vs_dense_pct']:+.1f}% | {h[f'every{W}_shard_router']:.2f} "
+                     f"| {h[f'every{W}_window_router']:.2f} | {f['every64_window_vs_once_pct']:+.1f}% | {h['random']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--corpus", nargs="+", default=["shared", "default"], choices=["shared", "default"])
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared corpus (directory of *.jsonl[.gz])")
+    p.add_argument("--out", type=Path, default=Path("bench/out/routing_quality"))
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "routing_quality_results.json",
+                   help="where the summary goes (besides OUT/routing_quality.json)")
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    out = args.out.resolve()
+    results = [one_corpus(c, out / c, args.data, args.jobs) for c in args.corpus]
+    summary = {"protocol": {"grid": "2x2", "balance": 1.1, "vocab": 4096, "preset": "tiny", "rounds": ROUNDS,
+                            "inner_steps": H, "window": W, "shard_settings": SHARD_SETS,
+                            "choice": "cluster_on by routed perplexity on the validation documents"},
+               "results": results}
+    for f in (out / "routing_quality.json", args.json):
+        f.write_text(json.dumps(summary, indent=1) + "\n")
+    print()
+    print(table(results))
+    print(f"\nwrote {out / 'routing_quality.json'} and {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
