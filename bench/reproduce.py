@@ -1,25 +1,33 @@
-"""Reproduce the papers' claims at CPU scale: one command, resumable, progress shown.
+"""The results page: DiPaCo against dense in the papers' regime, on two corpora; one command, resumable.
 
-    python bench/reproduce.py [--data DIR_OR_FILE] [--out reproduce-out] [--scale full|tiny] [--jobs 2]
-                              [--page docs/RESULTS.md]
+    python bench/reproduce.py [--corpus shared default] [--out reproduce-out] [--scale full|tiny]
+                              [--jobs 2] [--page docs/RESULTS.md]
 
-Stages (each is skipped when its output is complete, so re-running continues where it stopped):
+The papers' claims live in a regime: a dense start trained far past compute-optimal, then many outer
+rounds. Per corpus (the shared five-domain corpus; the default corpus `dipaco quickstart` builds, at a
+larger budget), every step below is skipped when its output is complete:
 
-  1. shards     the corpus routed on a 2x2 grid (k-means, balanced) and, with the same tokenizer and
-                the same held-out documents, on a flat grid of 4 paths
-  2. pretrain   one dense model (one path of the same size as a DiPaCo path) trained on all shards;
-                every other run starts from its weights (``--init-from``), as in the papers
-  3. runs       dense (same inner steps as one trainee), dense with P times the steps, DiLoCo (4
-                replicas of one path on the 4 k-means shards), a flat mixture of 4 paths, DiPaCo 2x2,
-                and DiPaCo 2x2 with Streaming DiLoCo (fragments, τ=1, α=0.5, 4-bit). Multi-trainee runs
-                use one torchrun worker per trainee (gloo on 127.0.0.1), so bytes are measured
-  4. eval       routed held-out perplexity of every run at several rounds (the first ``context``
-                tokens route and are never scored; every run is scored on the same tokens), plus
-                routing every W tokens and per-path early stopping for the final DiPaCo model
-  5. report     results.json, RESULTS.md (table, expectations checked, every setting) and plots
+  1. shards     one tokenizer and one seed for every sharding (so the same held-out, router and
+                validation documents): k-means 2x2, flat k-means 4, k-means 4x4, and i.i.d. (a seeded
+                hash, 4 shards); every router reads the first 32 tokens
+  2. start      a pilot of the pretraining peak lr (short runs, chosen on validation loss), then one
+                dense model trained to ``pretrain_tokens_per_param``; its validation curve must flatten
+  3. outer      a grid of outer (lr, momentum) for DiPaCo 2x2, ``pilot_rounds`` rounds each from the start,
+                chosen by routed perplexity on the validation documents
+  4. runs       every row from the same start, ``rounds`` outer rounds of H steps, the inner lr
+                continuing at the start's final lr (no re-warm): dense at 1x and P x the steps,
+                DiLoCo on i.i.d. and on k-means shards, flat 4, DiPaCo 2x2 (chosen outer step, and the
+                papers' 0.7/0.9), DiPaCo 2x2 after one discriminative re-sharding, DiPaCo 4x4, and DiPaCo
+                2x2 with Streaming DiLoCo (F=2, τ=1, α=0.5) in fp32 and in 4 bits on 4 gloo workers
+  5. eval       routed held-out perplexity of every run over rounds (the first 32 tokens route and are
+                never scored; every row on the same tokens); the best DiPaCo run (chosen on the
+                validation documents) also gets every-64 with a fitted window router, oracle, random,
+                per-path early stopping and a mixture of 2
+  6. report     results.json (with the expectations checked), RESULTS.md sections and plots
 
-Jobs run ``--jobs`` at a time, one thread each (tiny models waste a second thread). Logs of every job
-are in OUT/logs/. ``--scale tiny`` is a minutes-long version used by the test suite.
+Jobs run ``--jobs`` cores at a time, one thread each (a 4-worker job takes 2). Logs are in OUT/logs/.
+``--scale tiny`` is a minutes-long version used by the test suite. ``--report-only`` writes the page from
+whatever has finished (rows still running are marked pending), so partial results can be committed.
 """
 
 from __future__ import annotations
@@ -34,106 +42,92 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = Path(os.environ.get("DIPACO_CORPUS", ROOT.parent / "shared" / "corpus"))
+PAPER_OUTER = (0.7, 0.9)
+PLAIN = ['grid.shape="1"', "outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false"]  # = plain AdamW
+CRITICAL, UNBLOCKS = 1e13, 1e12  # job weights: the start first, then what unblocks other jobs, then long trainings
 
 
 @dataclass
 class Scale:
-    """Every number that sizes the experiment; all of it is written into the results."""
+    """Every number that sizes the experiment; all of it goes into results.json."""
     vocab: int
-    model: list[str]             # --set overrides of the path model (one path = one dense model)
-    H: int                       # inner steps per round
-    pretrain_rounds: int
-    rounds: int                  # rounds of every continued run (steps per trainee = rounds * H)
-    compute_factor: int          # the compute-matched dense run takes this many times the steps
-    pretrain_lr: float
-    lr: float                    # peak inner lr of the continued runs (re-warmed, cosine to 10%)
-    warmup: int
-    eval_tokens: int             # held-out documents are cut to this many tokens
-    eval_every: int              # rounds between evaluated checkpoints
-    workers: int                 # torchrun workers of a 4-trainee run (1 = all in one process)
-    fragments: int
+    model: list[str]                 # --set overrides of the path model (one path = one dense model)
+    pretrain_rounds: int             # the start: pretrain_rounds x pretrain_H steps
+    pretrain_H: int
+    pretrain_lrs: list[float]        # pilot of the pretraining peak lr (chosen on validation loss)
+    pretrain_pilot_rounds: int
+    pretrain_warmup: int
+    H: int                           # inner steps per round of every continued run
+    rounds: int                      # outer rounds of every continued run
+    pilot_rounds: int                # outer rounds of the outer-optimizer grid pilot
+    outer_grid: list[list[float]]    # [lr, momentum] pairs (Nesterov); [1, 0] is the plain average
+    factors: list[int]               # dense with P x the steps, for every P used
+    eval_tokens: int                 # held-out and validation documents are cut to this many tokens
+    eval_every: int                  # rounds between evaluated (and checkpointed) rounds
     route_every: int
+    stream_workers: int              # gloo workers of the streaming runs (bytes are measured there)
+    fragments: int
+    router_fraction: float           # router documents (discriminative and window routers fit on them)
+    default_budget: int              # characters per kind of the default corpus
     shard: list[str] = field(default_factory=list)
-    one_eval_job: bool = False   # evaluate everything in one process after all training (saves imports)
+    balance: float = 1.1
 
 
 SCALES = {
-    # ~40 min on a quiet 2-core machine; the model is the `tiny` preset (one path: 4 blocks, width 64).
-    "full": Scale(vocab=4096, model=["preset=\"tiny\"", "inner.batch_size=8", "model.max_seq_len=128"],
-                  H=100, pretrain_rounds=20, rounds=8, compute_factor=4, pretrain_lr=2e-3, lr=1e-3, warmup=50,
-                  eval_tokens=512, eval_every=2, workers=4, fragments=2, route_every=64),
-    # The test suite's version: a minute or two.
+    # About 3 hours of a quiet 2-core machine for both corpora (see docs/RESULTS.md for the measured time).
+    "full": Scale(vocab=1024, model=["preset=\"tiny\"", "model.hidden_size=48", "model.intermediate_size=128",
+                                     "model.num_heads=4", "model.num_kv_heads=4", "model.max_seq_len=128",
+                                     "inner.batch_size=8"],
+                  pretrain_rounds=100, pretrain_H=100, pretrain_lrs=[1e-3, 3e-3, 1e-2], pretrain_pilot_rounds=10,
+                  pretrain_warmup=200, H=50, rounds=32, pilot_rounds=16,
+                  outer_grid=[[0.5, 0.8], [0.5, 0.9], [0.7, 0.8], [0.7, 0.9], [1.0, 0.8], [1.0, 0.9], [1.0, 0.0]],
+                  factors=[4, 16], eval_tokens=512, eval_every=8, route_every=64, stream_workers=4, fragments=2,
+                  router_fraction=0.02, default_budget=12_000_000),
+    # The test suite's version: a few minutes on 2 cores.
     "tiny": Scale(vocab=512, model=["model.hidden_size=32", "model.intermediate_size=64", "model.num_heads=2",
                                     "model.num_kv_heads=2", "model.max_seq_len=64", "inner.batch_size=4"],
-                  H=4, pretrain_rounds=2, rounds=2, compute_factor=2, pretrain_lr=2e-3, lr=1e-3, warmup=2,
-                  eval_tokens=96, eval_every=2, workers=1, fragments=2, route_every=16,
-                  shard=["routing.svd_dims=16", "routing.kmeans_restarts=2"], one_eval_job=True),
+                  pretrain_rounds=2, pretrain_H=4, pretrain_lrs=[2e-3, 5e-3], pretrain_pilot_rounds=1,
+                  pretrain_warmup=2, H=4, rounds=2, pilot_rounds=1, outer_grid=[[0.7, 0.9], [1.0, 0.0]],
+                  factors=[4], eval_tokens=96, eval_every=2, route_every=16, stream_workers=1, fragments=2,
+                  router_fraction=0.2, default_budget=150_000,
+                  shard=["routing.svd_dims=16", "routing.kmeans_restarts=2"]),
 }
-
-
-@dataclass
-class RunSpec:
-    name: str          # directory name
-    label: str         # name in the table
-    shards: str        # "2x2" or "4"
-    sets: list[str]
-    rounds: int
-    workers: int
-    trainees: int
-
-
-def run_specs(s: Scale) -> list[RunSpec]:
-    plain = ['grid.shape="1"', "outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false"]  # = plain AdamW
-    k, w = s.compute_factor, s.workers
-    stream = [f"streaming.fragments={s.fragments}", "streaming.overlap=1", "streaming.alpha=0.5", "comm.bits=4"]
-    return [
-        RunSpec(f"dense-{k}x", f"dense, {k}x steps (compute-matched)", "2x2", plain, s.rounds * k, 1, 1),
-        RunSpec("dipaco-2x2", "DiPaCo 2x2", "2x2", [], s.rounds, w, 4),
-        RunSpec("dipaco-2x2-streaming", f"DiPaCo 2x2, Streaming DiLoCo F={s.fragments} τ=1 α=0.5 4-bit", "2x2",
-                stream, s.rounds, w, 4),
-        RunSpec("diloco-4", "DiLoCo, 4 replicas on the k-means shards", "2x2",
-                ['grid.shape="1"', "grid.replicas_per_shard=true"], s.rounds, w, 4),
-        RunSpec("flat-4", "flat mixture, 4 paths", "4", [], s.rounds, w, 4),
-        RunSpec("dense", "dense (same steps as one trainee)", "2x2", plain, s.rounds, 1, 1),
-    ]
-
-
-def ablation_specs(s: Scale) -> list[RunSpec]:
-    """Diagnosis (``--ablations``): the outer Nesterov step (lr 0.7, momentum 0.9) replaced by a plain
-    average of the trainees (lr 1, no momentum); one process, the maths is the same with any workers."""
-    avg = ["outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false"]
-    return [RunSpec("ablation-dipaco-avg", "ablation: DiPaCo 2x2, outer = plain average", "2x2", avg, s.rounds, 1, 4),
-            RunSpec("ablation-diloco-avg", "ablation: DiLoCo, outer = plain average", "2x2",
-                    ['grid.shape="1"', "grid.replicas_per_shard=true", *avg], s.rounds, 1, 4)]
 
 
 # ------------------------------------------------------------------------------------------ jobs
 @dataclass
 class Job:
     name: str
-    argv: list[str]
+    argv: list[str] | Callable[[], list[str]]   # a callable is resolved when the job starts (after its deps)
     after: list[str] = field(default_factory=list)
+    slots: int = 1                               # cores it keeps busy
+    weight: float = 0.0                          # among ready jobs, heavier ones start first
     proc: subprocess.Popen | None = None
     began: float = 0.0
 
 
-def run_jobs(jobs: list[Job], capacity: int, logs: Path, describe) -> dict[str, float]:
-    """Run jobs (dependencies first, longest queued first), at most ``capacity`` at a time. A torchrun
-    job counts as one: its workers time-share the cores rather than leave one idle."""
+def run_jobs(jobs: list[Job], capacity: int, logs: Path, describe=lambda name: name) -> dict[str, float]:
+    """Run jobs (dependencies first, heavier first among the ready ones), keeping at most ``capacity`` cores
+    busy. The first failure stops everything with the job's last log lines."""
     from tqdm.auto import tqdm
 
     logs.mkdir(parents=True, exist_ok=True)
-    pending, running, done = list(jobs), [], {}
+    pending, running, done = sorted(jobs, key=lambda j: -j.weight), [], {}
+    known = {j.name for j in jobs}
     bar = tqdm(total=len(jobs), desc="jobs", unit="job", dynamic_ncols=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     while pending or running:
         for job in list(pending):
-            if all(a in done for a in job.after) and len(running) < capacity:
+            busy = sum(j.slots for j in running)
+            ready = all(a in done or a not in known for a in job.after)
+            if ready and (busy + job.slots <= capacity or not running):
+                argv = job.argv() if callable(job.argv) else job.argv
                 with open(logs / f"{job.name}.log", "w") as log:  # the child keeps its own descriptor
-                    job.proc = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+                    job.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
                 job.began = time.perf_counter()
                 pending.remove(job)
                 running.append(job)
@@ -156,7 +150,7 @@ def run_jobs(jobs: list[Job], capacity: int, logs: Path, describe) -> dict[str, 
     return done
 
 
-# ---------------------------------------------------------------------------------------- stages
+# ---------------------------------------------------------------------------------------- helpers
 def input_files(data: Path) -> list[Path]:
     if data.is_file():
         return [data]
@@ -167,75 +161,286 @@ def input_files(data: Path) -> list[Path]:
     return files
 
 
-def make_shards(out: Path, files: list[Path], s: Scale) -> dict[str, Path]:
-    from dipaco.config import ShardConfig, resolve
-    from dipaco.sharding.writer import shard
-
-    dirs = {"2x2": out / "shards-2x2", "4": out / "shards-4"}
-    common = [f"tokenizer.vocab_size={s.vocab}", "routing.balance=1.2", *s.shard]
-    for grid, d in dirs.items():
-        if (d / "manifest.json").is_file():
-            print(f"[shards] {d} is complete, reusing it")
-            continue
-        print(f"[shards] routing {', '.join(f.name for f in files)} on grid {grid} -> {d}")
-        cfg = resolve(ShardConfig, overrides=[f'grid="{grid}"', *common])
-        tokenizer = str(dirs["2x2"] / "tokenizer") if grid != "2x2" else None  # the same tokenizer everywhere
-        shard([str(f) for f in files], cfg, d, tokenizer, progress=True)
-    a = [json.loads(l)["text"] for l in open(dirs["2x2"] / "heldout" / "docs.jsonl", encoding="utf-8")]
-    b = [json.loads(l)["text"] for l in open(dirs["4"] / "heldout" / "docs.jsonl", encoding="utf-8")]
-    if a != b:
-        raise SystemExit("reproduce: the two shard directories hold different held-out documents; delete them and re-run")
-    return dirs
-
-
-def train_argv(shards: Path, run: Path, sets: list[str], rounds: int, s: Scale, workers: int, init_from: Path | None) -> list[str]:
-    argv = [sys.executable, "-m", "dipaco.cli", "train", "--shards", str(shards), "--out", str(run), "--quiet",
-            "--rounds", str(rounds), "--inner-steps", str(s.H)]
-    if workers > 1:
-        argv += ["--workers", str(workers)]
-    if init_from is not None:
-        argv += ["--init-from", str(init_from)]
-    for kv in s.model + sets + ["log_every=50", "val_batches=4", f"eval.max_tokens_per_doc={s.eval_tokens}"]:
-        argv += ["--set", kv]
-    if (run / "checkpoints").is_dir():
-        argv.append("--resume")
-    return argv
-
-
 def rounds_done(run: Path) -> int:
     from dipaco import checkpoint
 
     return (checkpoint.latest_round(run) or 0) if run.is_dir() else 0
 
 
-def eval_rounds(total: int, every: int) -> list[int]:
-    return sorted(set(range(0, total + 1, every)) | {total})
+def round_rows(run: Path) -> list[dict]:
+    f = run / "metrics.jsonl"
+    rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()] if f.is_file() else []
+    return [r for r in rows if r.get("kind") == "round"]
 
 
-# ------------------------------------------------------------------------- the eval child process
-def eval_child(spec: str) -> None:
-    """Evaluations of one run at several rounds (one process: imports cost more than a tiny eval),
-    each written atomically to its own file, so an interrupted job keeps what it finished."""
+def read(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dipaco.cli", *args]
+
+
+# ------------------------------------------------------------------------------------- the corpus
+@dataclass
+class RunSpec:
+    name: str                 # directory name
+    label: str                # name in the tables
+    shards: str               # key of the shard directory
+    sets: list[str]
+    rounds: int
+    H: int
+    trainees: int
+    workers: int = 1
+    after: list[str] = field(default_factory=list)
+    outer: str = ""           # "chosen" | "paper" | "" (dense: plain AdamW)
+    init: bool = True         # start from the pretrained model
+
+
+class Corpus:
+    """Everything for one corpus: its directories, its jobs, and the results read back from disk."""
+
+    def __init__(self, name: str, out: Path, s: Scale, data: Path):
+        self.name, self.out, self.s, self.data = name, out / name, s, data
+        self.runs, self.evals, self.reports = self.out / "runs", self.out / "eval", self.out / "reports"
+        self.shard_dirs = {k: self.out / f"shards-{k}" for k in ("2x2", "4", "4x4", "iid", "2x2-disc")}
+
+    # ------------------------------------------------------------------ inputs and shards (in process)
+    def inputs(self) -> list[str]:
+        if self.name == "shared":
+            if not self.data.exists():
+                raise SystemExit(f"reproduce: corpus {self.data} not found; pass --data DIR_OR_FILE or set DIPACO_CORPUS")
+            return [str(f) for f in input_files(self.data)]
+        if self.data != DEFAULT_DATA and self.data.is_file():  # tests pass a small corpus file
+            return [str(self.data)]
+        from dipaco.sharding.sources import write_default_corpus
+
+        path = self.out / "corpus.jsonl"
+        if not path.is_file():
+            self.out.mkdir(parents=True, exist_ok=True)
+            write_default_corpus(path, self.s.default_budget)
+        return [str(path)]
+
+    def make_shards(self) -> None:
+        from dipaco.config import ShardConfig, resolve
+        from dipaco.sharding.writer import shard
+
+        inputs = self.inputs()
+        common = [f"tokenizer.vocab_size={self.s.vocab}", f"routing.balance={self.s.balance}",
+                  f"data.router_fraction={self.s.router_fraction}", *self.s.shard]
+        plan = {"2x2": ['grid="2x2"'], "4": ['grid="4"'], "4x4": ['grid="4x4"'], "iid": ['grid="4"', 'routing.assign="random"']}
+        for key, sets in plan.items():
+            d = self.shard_dirs[key]
+            if (d / "manifest.json").is_file():
+                continue
+            print(f"[{self.name}] shard {key} -> {d}")
+            tokenizer = None if key == "2x2" else str(self.shard_dirs["2x2"] / "tokenizer")  # one tokenizer everywhere
+            shard(inputs, resolve(ShardConfig, overrides=sets + common), d, tokenizer, progress=True)
+        held = {k: (self.shard_dirs[k] / "heldout" / "docs.jsonl").read_text().count("\n") for k in plan}
+        texts = {k: [json.loads(l)["text"] for l in (self.shard_dirs[k] / "heldout" / "docs.jsonl").open()] for k in plan}
+        if any(texts[k] != texts["2x2"] for k in plan):
+            raise SystemExit(f"reproduce: the shard directories of {self.name} hold different held-out documents ({held}); "
+                             f"delete them and re-run")
+
+    # ------------------------------------------------------------------------------ training jobs
+    def train_argv(self, spec: RunSpec, outer: tuple[float, float] | None, lr: float) -> list[str]:
+        s, run = self.s, self.runs / spec.name
+        argv = cli("train", "--shards", str(self.shard_dirs[spec.shards]), "--out", str(run), "--quiet",
+                   "--rounds", str(spec.rounds), "--inner-steps", str(spec.H))
+        if spec.workers > 1:
+            argv += ["--workers", str(spec.workers)]
+        if spec.init:
+            argv += ["--init-from", str(self.runs / "start")]
+        sets = s.model + spec.sets + ["log_every=50", "val_batches=4", f"eval.max_tokens_per_doc={s.eval_tokens}",
+                                      f"checkpoint_every={min(s.eval_every, spec.rounds)}"]
+        if outer is not None:
+            sets += [f"outer.lr={outer[0]}", f"outer.momentum={outer[1]}", f"outer.nesterov={'true' if outer[1] else 'false'}"]
+        if spec.init:  # no re-warm: continue at the start's final lr, cosine down to a tenth of it
+            sets += [f"inner.lr={lr}", "inner.warmup_steps=0", "inner.min_lr_ratio=0.1"]
+        for kv in sets:
+            argv += ["--set", kv]
+        if (run / "checkpoints").is_dir():
+            argv.append("--resume")
+        return argv
+
+    def start_lr(self) -> float:
+        """The chosen pretraining peak lr (pilot on validation loss)."""
+        pilot = self.pretrain_pilot()
+        return min(pilot, key=lambda lr: pilot[lr] if pilot[lr] is not None else math.inf)
+
+    def pretrain_pilot(self) -> dict[float, float | None]:
+        out = {}
+        for lr in self.s.pretrain_lrs:
+            rows = round_rows(self.runs / f"start-lr{lr:g}")
+            out[lr] = rows[-1]["val_loss_mean"] if len(rows) >= self.s.pretrain_pilot_rounds else None
+        return out
+
+    def continued_lr(self) -> float:
+        return self.start_lr() * 0.1  # the start's final lr (cosine to min_lr_ratio 0.1)
+
+    def chosen_outer(self) -> tuple[float, float]:
+        """The grid point with the lowest routed validation perplexity after the pilot."""
+        grid = self.outer_grid()
+        scored = [g for g in grid if g["val_perplexity"] is not None]
+        if not scored:
+            return PAPER_OUTER
+        best = min(scored, key=lambda g: g["val_perplexity"])
+        return best["lr"], best["momentum"]
+
+    def outer_grid(self) -> list[dict]:
+        rows = []
+        for lr, mom in self.s.outer_grid:
+            name = f"pilot-outer-lr{lr:g}-m{mom:g}"
+            rep = read(self.reports / f"val-{name}.json")
+            rows.append({"lr": lr, "momentum": mom, "run": name,
+                         "val_perplexity": rep["methods"][name]["perplexity"] if rep else None,
+                         "val_loss_metrics": (round_rows(self.runs / name) or [{}])[-1].get("val_loss_mean")})
+        return rows
+
+    def specs(self) -> list[RunSpec]:
+        s, R, H = self.s, self.s.rounds, self.s.H
+        stream = [f"streaming.fragments={s.fragments}", "streaming.overlap=1", "streaming.alpha=0.5"]
+        diloco = ['grid.shape="1"', "grid.replicas_per_shard=true"]
+        out = [RunSpec("dense", "dense (same steps as one trainee)", "2x2", PLAIN, R, H, 1)]
+        out += [RunSpec(f"dense-{k}x", f"dense, {k}x steps", "2x2", PLAIN, R * k, H, 1) for k in s.factors]
+        out += [
+            RunSpec("diloco-iid", "DiLoCo, 4 replicas on i.i.d. shards", "iid", diloco, R, H, 4, outer="chosen"),
+            RunSpec("diloco-kmeans", "DiLoCo, 4 replicas on the k-means shards", "2x2", diloco, R, H, 4, outer="chosen"),
+            RunSpec("flat-4", "flat mixture, 4 paths", "4", [], R, H, 4, outer="chosen"),
+            RunSpec("dipaco-2x2", "DiPaCo 2x2", "2x2", [], R, H, 4, outer="chosen"),
+            RunSpec("dipaco-2x2-paper", "DiPaCo 2x2, papers' outer step (0.7, Nesterov 0.9)", "2x2", [], R, H, 4,
+                    outer="paper"),
+            RunSpec("dipaco-2x2-disc", "DiPaCo 2x2 after discriminative re-sharding", "2x2-disc", [], R, H, 4,
+                    after=["reshard"], outer="chosen"),
+            RunSpec("dipaco-4x4", "DiPaCo 4x4", "4x4", [], R, H, 16, outer="chosen"),
+            RunSpec("stream-fp32", f"DiPaCo 2x2, Streaming DiLoCo F={s.fragments} τ=1 α=0.5, fp32", "2x2", stream, R, H, 4,
+                    workers=s.stream_workers, outer="chosen"),
+            RunSpec("stream-4bit", f"DiPaCo 2x2, Streaming DiLoCo F={s.fragments} τ=1 α=0.5, 4-bit", "2x2",
+                    stream + ["comm.bits=4"], R, H, 4, workers=s.stream_workers, outer="chosen"),
+        ]
+        return out
+
+    def jobs(self) -> list[Job]:
+        s, n = self.s, self.name
+        jobs: list[Job] = []
+        names = lambda *xs: [f"{n}:{x}" for x in xs]  # noqa: E731
+        plain_pretrain = PLAIN + [f"inner.warmup_steps={s.pretrain_warmup}", "inner.min_lr_ratio=0.1"]
+
+        def pretrain_argv(run: Path, lr: float, rounds: int) -> list[str]:
+            argv = cli("train", "--shards", str(self.shard_dirs["2x2"]), "--out", str(run), "--quiet", "--rounds",
+                       str(rounds), "--inner-steps", str(s.pretrain_H))
+            for kv in s.model + plain_pretrain + [f"inner.lr={lr}", "log_every=100", "val_batches=8",
+                                                  f"checkpoint_every={max(1, rounds // 4)}"]:
+                argv += ["--set", kv]
+            return argv + (["--resume"] if (run / "checkpoints").is_dir() else [])
+
+        pilots = []
+        for lr in s.pretrain_lrs:  # the pilot is a shortened pretraining with the same schedule shape
+            run = self.runs / f"start-lr{lr:g}"
+            if rounds_done(run) < s.pretrain_pilot_rounds:
+                jobs.append(Job(f"{n}:start-lr{lr:g}", pretrain_argv(run, lr, s.pretrain_pilot_rounds), weight=CRITICAL))
+            pilots.append(f"{n}:start-lr{lr:g}")
+        start = self.runs / "start"
+        if rounds_done(start) < s.pretrain_rounds:
+            jobs.append(Job(f"{n}:start", lambda: pretrain_argv(start, self.start_lr(), s.pretrain_rounds), after=pilots,
+                            weight=CRITICAL))
+
+        def outer_of(spec: RunSpec):
+            return {"chosen": self.chosen_outer, "paper": lambda: PAPER_OUTER}.get(spec.outer, lambda: None)()
+
+        grid_evals = []
+        for lr, mom in s.outer_grid:
+            spec = RunSpec(f"pilot-outer-lr{lr:g}-m{mom:g}", "", "2x2", [], s.pilot_rounds, s.H, 4)
+            if rounds_done(self.runs / spec.name) < spec.rounds:
+                jobs.append(Job(f"{n}:{spec.name}", lambda spec=spec, o=(lr, mom): self.train_argv(spec, o, self.continued_lr()),
+                                after=names("start"), weight=UNBLOCKS))
+            jobs += self.eval_jobs(spec.name, spec.name, "2x2", [{"round": spec.rounds, "split": "val", "out": f"val-{spec.name}"}],
+                                   after=names(spec.name))
+            grid_evals.append(f"{n}:eval-val-{spec.name}")
+        for spec in self.specs():
+            deps = names("start", *spec.after) + (grid_evals if spec.outer == "chosen" else [])
+            if rounds_done(self.runs / spec.name) < spec.rounds:
+                jobs.append(Job(f"{n}:{spec.name}", lambda spec=spec: self.train_argv(spec, outer_of(spec), self.continued_lr()),
+                                after=deps, slots=2 if spec.workers > 2 else spec.workers,
+                                weight=spec.trainees * spec.rounds * spec.H))
+            every = s.eval_every * (spec.rounds // s.rounds)
+            items = [{"round": r, "out": f"{spec.name}_r{r}"} for r in range(every, spec.rounds + 1, every)]
+            if spec.name.startswith(("dipaco", "stream")):
+                items.append({"round": spec.rounds, "split": "val", "out": f"val-{spec.name}"})
+            jobs += self.eval_jobs(spec.name, spec.label, spec.shards, items, after=names(spec.name))
+        if not (self.shard_dirs["2x2-disc"] / "manifest.json").is_file():
+            jobs.append(Job(f"{n}:reshard", cli("reshard", "--run", str(self.runs / "dipaco-2x2"), "--shards",
+                                                  str(self.shard_dirs["2x2"]), "--out", str(self.shard_dirs["2x2-disc"]),
+                                                  "--quiet", "--max-tokens", str(s.eval_tokens)), after=names("dipaco-2x2"),
+                            weight=UNBLOCKS))
+        jobs.append(Job(f"{n}:best", lambda: [sys.executable, str(Path(__file__).resolve()), "_best",
+                                              json.dumps({"corpus": n, "dir": str(self.out), "scale": asdict(s)})],
+                        after=[f"{n}:eval-{x.name}" for x in self.specs() if x.name.startswith(("dipaco", "stream"))]))
+        jobs.append(Job(f"{n}:eval-start", [sys.executable, str(Path(__file__).resolve()), "_eval", json.dumps(
+            {"label": "pretrained start", "run": str(start), "shards": str(self.shard_dirs["2x2"]),
+             "items": [{"round": s.pretrain_rounds, "out": str(self.evals / "start.json")}]})], after=names("start")))
+        return [j for j in jobs if not self._done(j)]
+
+    def eval_jobs(self, name: str, label: str, shards: str, items: list[dict], after: list[str]) -> list[Job]:
+        folder = {"val": self.reports}
+        todo = [{**i, "out": str(folder.get(i.get("split"), self.evals) / f"{i['out']}.json")} for i in items]
+        todo = [i for i in todo if not Path(i["out"]).is_file()]
+        if not todo:
+            return []
+        spec = {"label": label, "run": str(self.runs / name), "shards": str(self.shard_dirs[shards]), "items": todo}
+        return [Job(f"{self.name}:eval-{name}", [sys.executable, str(Path(__file__).resolve()), "_eval", json.dumps(spec)],
+                    after=after, weight=UNBLOCKS)]
+
+    def _done(self, job: Job) -> bool:
+        if job.name.endswith(":best"):
+            return (self.reports / "best.json").is_file()
+        if job.name.endswith(":eval-start"):
+            return (self.evals / "start.json").is_file()
+        return False
+
+
+# ------------------------------------------------------------------- child processes (eval, best)
+def eval_child(spec: dict) -> None:
+    """Evaluations of one run (one process: imports cost more than a tiny eval), each written atomically."""
     from dipaco.eval.perplexity import evaluate
     from dipaco.io import write_json
 
-    specs = json.loads(spec)
-    for a in specs if isinstance(specs, list) else [specs]:
-        for item in a["rounds"]:
-            if Path(item["out"]).is_file():
-                continue
-            report = evaluate({a["label"]: a["run"]}, a["shards"], item["round"], progress=False,
-                              route_every=item.get("route_every", []), early_stopping=item.get("early_stopping", False),
-                              oracle=item.get("oracle", False), random=item.get("random", False))
-            write_json(item["out"], report)
+    for item in spec["items"]:
+        if Path(item["out"]).is_file():
+            continue
+        Path(item["out"]).parent.mkdir(parents=True, exist_ok=True)
+        extra = {k: v for k, v in item.items() if k not in ("round", "out")}
+        write_json(item["out"], evaluate({spec["label"]: spec["run"]}, spec["shards"], item["round"], progress=False, **extra))
 
 
-# ---------------------------------------------------------------------------------------- report
-def metrics_of(run: Path) -> list[dict]:
-    lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").is_file() else []
-    return [r for r in map(json.loads, lines) if r.get("kind") == "round"]
+def best_child(spec: dict) -> None:
+    """Choose the best DiPaCo run on the validation documents, fit its window router, score every routing."""
+    from dipaco.eval.perplexity import evaluate
+    from dipaco.eval.window_router import fit_window_router
+    from dipaco.io import write_json
+
+    s, out = Scale(**spec["scale"]), Path(spec["dir"])
+    corpus = Corpus(spec["corpus"], out.parent, s, DEFAULT_DATA)
+    val = {}
+    for sp in corpus.specs():
+        rep = read(corpus.reports / f"val-{sp.name}.json")
+        if rep is not None:
+            val[sp.name] = rep["methods"][sp.label]["perplexity"]
+    best = min(val, key=val.get)
+    sp = next(x for x in corpus.specs() if x.name == best)
+    run, shards = corpus.runs / best, corpus.shard_dirs[sp.shards]
+    W = s.route_every
+    if not (run / "window_routers" / f"w{W}" / "router.json").is_file():
+        fit_window_router(run, shards, W, max_tokens=max(4 * W, s.eval_tokens), progress=False)
+    window = json.loads((run / "window_routers" / f"w{W}" / "router.json").read_text())
+    test = evaluate({sp.label: run}, shards, progress=False, route_every=[W], oracle=True, random=True, early_stopping=True,
+                    mixture=2)
+    val_every = evaluate({sp.label: run}, shards, progress=False, route_every=[W], split="val")
+    write_json(corpus.reports / "best.json", {"run": best, "label": sp.label, "val_perplexity": val, "test": test,
+                                               "val_every": val_every, "window_router": window})
 
 
+# ---------------------------------------------------------------------------------------- results
 def dp_bytes(per_path: int, replicas: int, steps: int) -> int:
     """Bytes all workers send when ``replicas`` data-parallel copies all-reduce bf16 gradients every step."""
     from dipaco.comm import analytic_bytes
@@ -243,126 +448,207 @@ def dp_bytes(per_path: int, replicas: int, steps: int) -> int:
     return replicas * analytic_bytes(per_path, replicas, 16, 128, "auto") * steps
 
 
-def collect(out: Path, specs: list[RunSpec], s: Scale, dirs: dict[str, Path], job_seconds: dict) -> dict:
-    evals = out / "eval"
-    start = json.loads((evals / f"pretrain_r{s.pretrain_rounds}.json").read_text())["methods"]["pretrained"]
-    rows, curves = {}, {"pretrained (start)": {"steps": [0], "compute": [0], "perplexity": [start["perplexity"]]}}
-    for sp in specs:
-        run = out / "runs" / sp.name
-        info = json.loads((run / "run.json").read_text())
-        rounds = metrics_of(run)
-        steps = sp.rounds * s.H
-        final = json.loads((evals / f"{sp.name}_r{sp.rounds}.json").read_text())["methods"]
-        seconds = sum(r["seconds"] for r in rounds)
-        tokens = sum(r["tokens"] for r in rounds)
-        sent = sum(r["bytes_sent"] for r in rounds)
-        dp = dp_bytes(info["parameters"]["per_path"], sp.trainees, steps) if sp.trainees > 1 else 0
-        rows[sp.name] = {
-            "label": sp.label, "settings": sp.sets, "shards": sp.shards, "rounds": sp.rounds, "steps_per_trainee": steps,
-            "trainees": sp.trainees, "workers": info["workers"], "parameters_total": info["parameters"]["total"],
-            "parameters_per_path": info["parameters"]["per_path"], "perplexity": final[sp.label]["perplexity"],
-            "per_label": {k: v["perplexity"] for k, v in final[sp.label].get("per_label", {}).items()},
-            "scored_tokens": final[sp.label]["tokens"], "train_seconds": seconds, "job_seconds": job_seconds.get(sp.name),
-            "tokens": tokens, "tokens_per_s_per_worker": tokens / seconds / info["workers"] if seconds else None,
-            "bytes_sent": sent, "dp_bf16_bytes": dp, "bytes_ratio_vs_dp": (dp / sent) if sent and dp else None,
-            "extra_rows": {k: {"perplexity": v["perplexity"], "routing": v.get("routing"), "rounds": v.get("rounds")}
-                           for k, v in final.items() if k != sp.label}}
-        xs, ys = [0], [start["perplexity"]]
-        for r in eval_rounds(sp.rounds, s.eval_every * (sp.rounds // s.rounds)):
-            if r == 0:
-                continue
-            m = json.loads((evals / f"{sp.name}_r{r}.json").read_text())["methods"][sp.label]
-            xs.append(r * s.H)
-            ys.append(m["perplexity"])
-        curves[sp.label] = {"steps": xs, "compute": [x * sp.trainees for x in xs], "perplexity": ys}
-    return {"scale": asdict(s), "shards": {k: str(v) for k, v in dirs.items()},
-            "heldout_documents": start["documents"], "scored_tokens": start["tokens"],
-            "pretrained_perplexity": start["perplexity"], "runs": rows, "curves": curves}
+def collect(c: Corpus) -> dict:
+    s = c.s
+    start_eval = read(c.evals / "start.json")
+    start_rows = round_rows(c.runs / "start")
+    info = read(c.runs / "start" / "run.json")
+    per_path = info["parameters"]["per_path"] if info else None
+    tokens_per_step = int(next(x.split("=")[1] for x in s.model if x.startswith("inner.batch_size"))) * \
+        int(next(x.split("=")[1] for x in s.model if x.startswith("model.max_seq_len")))
+    curve = [{"round": r["round"], "steps": r["round"] * s.pretrain_H,
+              "tokens_per_param": r["round"] * s.pretrain_H * tokens_per_step / per_path,
+              "val_loss": r["val_loss_mean"], "val_perplexity": math.exp(r["val_loss_mean"])}
+             for r in start_rows if per_path and r.get("val_loss_mean")]
+    res = {"pretrain": {"lr_pilot": {f"{k:g}": v for k, v in c.pretrain_pilot().items()},
+                        "lr": c.start_lr() if all(v is not None for v in c.pretrain_pilot().values()) else None,
+                        "steps": s.pretrain_rounds * s.pretrain_H, "tokens": s.pretrain_rounds * s.pretrain_H * tokens_per_step,
+                        "parameters": per_path, "curve": curve,
+                        "heldout_perplexity": start_eval["methods"]["pretrained start"]["perplexity"] if start_eval else None},
+           "pretrain_tokens_per_param": curve[-1]["tokens_per_param"] if curve else None,
+           "outer_rounds": s.rounds, "outer_grid": c.outer_grid(), "runs": {}, "curves": {}}
+    res["outer_chosen"] = list(c.chosen_outer()) if any(g["val_perplexity"] for g in res["outer_grid"]) else None
+    if start_eval:
+        res["heldout_documents"] = start_eval["documents"]
+        res["scored_tokens"] = start_eval["methods"]["pretrained start"]["tokens"]
+    for sp in c.specs():
+        run = c.runs / sp.name
+        final = read(c.evals / f"{sp.name}_r{sp.rounds}.json")
+        rows = round_rows(run)
+        row = {"label": sp.label, "shards": sp.shards, "settings": sp.sets, "rounds": sp.rounds, "H": sp.H,
+               "steps_per_trainee": sp.rounds * sp.H, "trainees": sp.trainees, "rounds_done": len(rows),
+               "perplexity": final["methods"][sp.label]["perplexity"] if final else None}
+        ri = read(run / "run.json")
+        if ri:
+            row |= {"workers": ri["workers"], "parameters_total": ri["parameters"]["total"],
+                    "parameters_per_path": ri["parameters"]["per_path"]}
+        if ri and rows:
+            sent = sum(r["bytes_sent"] for r in rows)
+            dp = dp_bytes(ri["parameters"]["per_path"], sp.trainees, sp.rounds * sp.H) if ri["workers"] > 1 else 0
+            row |= {"train_seconds": sum(r["seconds"] for r in rows), "bytes_sent": sent, "dp_bf16_bytes": dp,
+                    "bytes_ratio_vs_dp": dp / sent if sent and dp else None}
+        row["outer"] = {"chosen": res["outer_chosen"], "paper": list(PAPER_OUTER)}.get(sp.outer)  # None: plain AdamW
+        if final:
+            m = final["methods"][sp.label]
+            row |= {"per_label": {k: v["perplexity"] for k, v in m.get("per_label", {}).items()}, "scored_tokens": m["tokens"]}
+        val = read(c.reports / f"val-{sp.name}.json")
+        if val:
+            row["val_perplexity"] = val["methods"][sp.label]["perplexity"]
+        res["runs"][sp.name] = row
+        every = s.eval_every * (sp.rounds // s.rounds)
+        xs, ys = ([0], [res["pretrain"]["heldout_perplexity"]]) if start_eval else ([], [])
+        for r in range(every, sp.rounds + 1, every):
+            e = read(c.evals / f"{sp.name}_r{r}.json")
+            if e:
+                xs.append(r * sp.H)
+                ys.append(e["methods"][sp.label]["perplexity"])
+        res["curves"][sp.label] = {"steps": xs, "compute": [x * sp.trainees for x in xs], "perplexity": ys}
+    best = read(c.reports / "best.json")
+    if best:
+        W = s.route_every
+        m = best["test"]["methods"]
+        lab = best["label"]
+        res["best_dipaco"] = {
+            "run": best["run"], "label": lab, "chosen_on_validation": best["val_perplexity"],
+            "rows": {k[len(lab):].strip() or "once": {"perplexity": v["perplexity"], "routing": v.get("routing"),
+                                                       "rounds": v.get("rounds")} for k, v in m.items()},
+            "val_once": best["val_every"]["methods"][lab]["perplexity"],
+            f"val_every{W}": best["val_every"]["methods"][f"{lab} every-{W}"]["perplexity"],
+            "window_router": {k: best["window_router"].get(k) for k in
+                              ("examples", "test_examples", "accuracy", "accuracy_document_path",
+                               "accuracy_shard_router_previous_tokens", "loss_window_router", "loss_document_path",
+                               "loss_oracle")}}
+    return res
+
+
+EXPECTATIONS = [
+    ("diloco_below_dense", "DiLoCo (4 replicas, k-means shards) below dense at the same steps per trainee"),
+    ("dipaco_below_dense_5pct", "DiPaCo 2x2 at least 5% below dense at the same steps per path"),
+    ("dipaco_near_dense_px", "DiPaCo 2x2 within 3% of dense with 4x the steps"),
+    ("dipaco_4x4_below_2x2", "DiPaCo 4x4 below DiPaCo 2x2"),
+    ("every64_below_once", "routing every 64 tokens (window router) below routing once per document, best DiPaCo run"),
+    ("discriminative_not_worse", "DiPaCo 2x2 after discriminative re-sharding not worse than on k-means shards"),
+    ("fourbit_within_1pct", "Streaming DiPaCo 2x2 in 4 bits within 1% (perplexity) of the same run in fp32"),
+    ("bytes_400x", "Streaming 4-bit DiPaCo sends at least 400x fewer bytes than bf16 data-parallel of one path on as many workers"),
+]
 
 
 def expectations(res: dict, s: Scale) -> list[dict]:
-    r = res["runs"]
-    k = s.compute_factor
-    ppl = {n: v["perplexity"] for n, v in r.items()}
-    dip = r["dipaco-2x2"]["extra_rows"]
-    every = dip.get(f"DiPaCo 2x2 every-{s.route_every}", {}).get("perplexity")
-    early = dip.get("DiPaCo 2x2 early-stop", {}).get("perplexity")
-    stream, plain = r["dipaco-2x2-streaming"], r["dipaco-2x2"]
-    loss_gap = math.log(stream["perplexity"]) / math.log(plain["perplexity"]) - 1
-    out = [
-        ("DiPaCo 2x2 < flat mixture", ppl["dipaco-2x2"] < ppl["flat-4"], f"{ppl['dipaco-2x2']:.2f} vs {ppl['flat-4']:.2f}"),
-        ("flat mixture ≲ DiLoCo (within 2% or better)", ppl["flat-4"] <= 1.02 * ppl["diloco-4"],
-         f"{ppl['flat-4']:.2f} vs {ppl['diloco-4']:.2f}"),
-        ("DiLoCo < dense", ppl["diloco-4"] < ppl["dense"], f"{ppl['diloco-4']:.2f} vs {ppl['dense']:.2f}"),
-        (f"DiPaCo 2x2 close to dense with {k}x steps (within 5%)", ppl["dipaco-2x2"] <= 1.05 * ppl[f"dense-{k}x"],
-         f"{ppl['dipaco-2x2']:.2f} vs {ppl[f'dense-{k}x']:.2f} ({100 * (ppl['dipaco-2x2'] / ppl[f'dense-{k}x'] - 1):+.1f}%)"),
-        (f"routing every {s.route_every} tokens < once per document", every is not None and every < ppl["dipaco-2x2"],
-         f"{every:.2f} vs {ppl['dipaco-2x2']:.2f}" if every else "not evaluated"),
-        ("per-path early stopping ≤ last round", early is not None and early <= ppl["dipaco-2x2"],
-         f"{early:.2f} vs {ppl['dipaco-2x2']:.2f}" if early else "not evaluated"),
-        ("Streaming + 4-bit no more than 2% worse than fp32 (held-out loss)", loss_gap <= 0.02, f"{100 * loss_gap:+.2f}% loss"),
-    ]
-    if stream["bytes_ratio_vs_dp"]:
-        out.append(("Streaming 4-bit: ≥ 400x fewer bytes than bf16 data-parallel of one path on as many workers",
-                    stream["bytes_ratio_vs_dp"] >= 400,
-                    f"{stream['bytes_ratio_vs_dp']:.0f}x"))
-    return [{"claim": c, "held": bool(h), "measured": m} for c, h, m in out]
+    runs = res["runs"]
+    ppl = {k: v.get("perplexity") for k, v in runs.items()}
+
+    def cmp(a, b, factor, fmt="{:.2f} vs {:.2f}"):
+        if ppl.get(a) is None or ppl.get(b) is None:
+            return None, "pending"
+        return ppl[a] <= factor * ppl[b], fmt.format(ppl[a], ppl[b]) + f" ({100 * (ppl[a] / ppl[b] - 1):+.1f}%)"
+
+    out = {"diloco_below_dense": cmp("diloco-kmeans", "dense", 1.0),
+           "dipaco_below_dense_5pct": cmp("dipaco-2x2", "dense", 0.95),
+           "dipaco_near_dense_px": cmp("dipaco-2x2", "dense-4x", 1.03),
+           "dipaco_4x4_below_2x2": cmp("dipaco-4x4", "dipaco-2x2", 1.0),
+           "discriminative_not_worse": cmp("dipaco-2x2-disc", "dipaco-2x2", 1.0),
+           "fourbit_within_1pct": cmp("stream-4bit", "stream-fp32", 1.01)}
+    if out["diloco_below_dense"][0] is not None and ppl.get("diloco-iid"):
+        held, text = out["diloco_below_dense"]
+        out["diloco_below_dense"] = (held, text + f"; i.i.d. shards: {ppl['diloco-iid']:.2f}")
+    best = res.get("best_dipaco")
+    W = s.route_every
+    if best:
+        once, every = best["rows"]["once"]["perplexity"], best["rows"][f"every-{W}"]["perplexity"]
+        out["every64_below_once"] = (every < once, f"{every:.2f} vs {once:.2f} ({best['label']}; "
+                                                   f"validation {best[f'val_every{W}']:.2f} vs {best['val_once']:.2f})")
+    else:
+        out["every64_below_once"] = (None, "pending")
+    ratio = runs.get("stream-4bit", {}).get("bytes_ratio_vs_dp")
+    out["bytes_400x"] = (ratio >= 400, f"{ratio:.0f}x") if ratio else (None, "pending")
+    return [{"id": i, "claim": claim, "held": out[i][0], "measured": out[i][1]} for i, claim in EXPECTATIONS]
 
 
-def markdown(res: dict, s: Scale, plot_name: str) -> str:
-    def f(x, p=2):
-        return "n/a" if x is None else f"{x:,.{p}f}"
+# ------------------------------------------------------------------------------------------ report
+def fmt(x, p=2) -> str:
+    return "pending" if x is None else f"{x:,.{p}f}"
 
-    lines = ["| run | held-out ppl | params total | params/path | steps/trainee | trainees (workers) | "
-             "bytes sent | x fewer than DP bf16 | train wall s | tokens/s/worker |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-             f"| pretrained start (all runs) | {f(res['pretrained_perplexity'])} | | | | | | | | |"]
-    for name, r in res["runs"].items():
-        lines.append(f"| {r['label']} | {f(r['perplexity'])} | {r['parameters_total']:,} | {r['parameters_per_path']:,} | "
-                     f"{r['steps_per_trainee']} | {r['trainees']} ({r['workers']}) | {r['bytes_sent']:,} | "
-                     f"{f(r['bytes_ratio_vs_dp'], 0)} | {f(r['train_seconds'], 0)} | {f(r['tokens_per_s_per_worker'], 0)} |")
-        for extra, e in r["extra_rows"].items():
-            lines.append(f"| &nbsp;&nbsp;{extra} | {f(e['perplexity'])} | | | | | | | | |")
-    labels = sorted({l for r in res["runs"].values() for l in r["per_label"]})
+
+def markdown(name: str, res: dict, s: Scale, plots: dict[str, str]) -> str:
+    p = res["pretrain"]
+    lines = [f"### Corpus: {name}", ""]
+    lines.append(f"Start: {fmt(p['parameters'], 0)} parameters per path, {fmt(p['steps'], 0)} steps, "
+                 f"{fmt(res['pretrain_tokens_per_param'], 1)} tokens per parameter, peak lr {p['lr']} "
+                 f"(pilot, validation loss after {s.pretrain_pilot_rounds * s.pretrain_H} steps: "
+                 + ", ".join(f"{k}: {fmt(v, 3)}" for k, v in p["lr_pilot"].items())
+                 + f"); held-out perplexity {fmt(p['heldout_perplexity'])}. Continued runs: {s.rounds} rounds of H = {s.H}.")
+    lines += ["", f"![pretraining validation curve]({plots['pretrain']})", "",
+              f"Outer optimizer grid (DiPaCo 2x2, {s.pilot_rounds} rounds from the start; routed perplexity on the "
+              f"validation documents; chosen: **{res.get('outer_chosen')}**; the papers': {list(PAPER_OUTER)}):", "",
+              "| outer lr | momentum | validation ppl |", "| ---: | ---: | ---: |"]
+    lines += [f"| {g['lr']} | {g['momentum']} | {fmt(g['val_perplexity'])} |" for g in res["outer_grid"]]
+    lines += ["", "| run | held-out ppl | validation ppl | params total | params/path | steps/trainee | trainees (workers) "
+                  "| bytes sent | x fewer than DP bf16 | train s |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+              f"| pretrained start (all runs) | {fmt(p['heldout_perplexity'])} | | | | | | | | |"]
+    for r in res["runs"].values():
+        lines.append(f"| {r['label']} | {fmt(r['perplexity'])} | {fmt(r.get('val_perplexity'))} | "
+                     f"{fmt(r.get('parameters_total'), 0)} | {fmt(r.get('parameters_per_path'), 0)} | {r['steps_per_trainee']} | "
+                     f"{r['trainees']} ({r.get('workers', '-')}) | {fmt(r.get('bytes_sent'), 0)} | "
+                     f"{fmt(r.get('bytes_ratio_vs_dp'), 0)} | {fmt(r.get('train_seconds'), 0)} |")
+    best = res.get("best_dipaco")
+    if best:
+        lines += ["", f"Routing, for the best DiPaCo run on the validation documents (**{best['label']}**):", "",
+                  "| routing | held-out ppl | how |", "| --- | ---: | --- |"]
+        lines += [f"| {k} | {fmt(v['perplexity'])} | {v.get('routing') or ''} |" for k, v in best["rows"].items()]
+        w = best["window_router"]
+        lines += ["", f"Window router: {w['examples']} windows of the router documents; on {w['test_examples']} held-aside "
+                      f"windows it picks the lowest-loss path {fmt(w['accuracy'], 3)} of the time (the document's path: "
+                      f"{fmt(w['accuracy_document_path'], 3)})."]
+    labels = sorted({l for r in res["runs"].values() for l in r.get("per_label", {})})
     if labels:
         lines += ["", "Held-out perplexity per domain:", "", "| run | " + " | ".join(labels) + " |",
                   "| --- |" + " ---: |" * len(labels)]
-        for r in res["runs"].values():
-            lines.append(f"| {r['label']} | " + " | ".join(f(r["per_label"].get(l)) for l in labels) + " |")
-    lines += ["", "Expectations from the papers, checked on these numbers:", "", "| expectation | held? | measured |",
-              "| --- | --- | --- |"]
-    lines += [f"| {e['claim']} | {'yes' if e['held'] else '**no**'} | {e['measured']} |" for e in res["expectations"]]
-    lines += ["", f"![held-out perplexity over training]({plot_name})", "",
-              f"{res['heldout_documents']} held-out documents, {res['scored_tokens']:,} scored tokens (the first 32 tokens "
-              f"of every document route and are not scored); wall time recorded by the script (all its invocations in this --out) "
-              f"{res.get('wall_seconds', 0) / 60:.1f} min on {os.cpu_count()} cores with --jobs {res.get('jobs')}.", "",
-              "Settings (`bench/reproduce.py`, scale " + f"`{res['scale_name']}`):", "", "```json",
-              json.dumps(res["scale"], indent=1, ensure_ascii=False), "```"]
+        lines += [f"| {r['label']} | " + " | ".join(fmt(r.get("per_label", {}).get(l)) for l in labels) + " |"
+                  for r in res["runs"].values()]
+    lines += ["", "Expectations:", "", "| id | claim | held? | measured |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{e['id']}` | {e['claim']} | {'yes' if e['held'] else 'pending' if e['held'] is None else '**no**'} | "
+              f"{e['measured']} |" for e in res["expectations"]]
+    lines += ["", f"![held-out perplexity over training]({plots['rounds']})", ""]
     return "\n".join(lines)
 
 
-def plot(res: dict, path: Path) -> None:
+def plot_corpus(name: str, res: dict, folder: Path) -> dict[str, str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    files = {"pretrain": f"pretrain_{name}.png", "rounds": f"rounds_{name}.png"}
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    c = res["pretrain"]["curve"]
+    ax.plot([x["tokens_per_param"] for x in c], [x["val_perplexity"] for x in c], marker="o", ms=2)
+    ax.set_xlabel("tokens per parameter")
+    ax.set_ylabel("validation perplexity (dense start)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{name}: the start saturates")
+    fig.tight_layout()
+    fig.savefig(folder / files["pretrain"], dpi=110)
+    plt.close(fig)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
-    for label, c in res["curves"].items():
-        style = dict(marker="o", ms=3) if len(c["steps"]) > 1 else dict(marker="*", ms=12, ls="")
-        axes[0].plot(c["steps"], c["perplexity"], label=label, **style)
-        axes[1].plot(c["compute"], c["perplexity"], label=label, **style)
+    for label, cv in res["curves"].items():
+        if len(cv["steps"]) < 2:
+            continue
+        axes[0].plot(cv["steps"], cv["perplexity"], label=label, marker="o", ms=3)
+        axes[1].plot(cv["compute"], cv["perplexity"], label=label, marker="o", ms=3)
     axes[0].set_xlabel("inner steps per trainee (wall-clock when trainees run in parallel)")
     axes[1].set_xlabel("inner steps of all trainees together (compute)")
+    axes[1].set_xscale("log")
     axes[0].set_ylabel("routed held-out perplexity")
     for ax in axes:
-        ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
-    fig.suptitle("Every run continues from the same pretrained dense model")
+    fig.suptitle(f"{name}: every run continues from the same saturated dense start")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(folder / files["rounds"], dpi=110)
     plt.close(fig)
+    return files
 
 
 def write_page(page: Path, block: str) -> None:
@@ -377,116 +663,76 @@ def write_page(page: Path, block: str) -> None:
     page.write_text(f"{head}{begin}\n{block}\n{end}{tail}")
 
 
+def report(corpora: list[Corpus], s: Scale, out: Path, page: Path | None, scale_name: str, wall: float) -> dict:
+    results = {"scale_name": scale_name, "scale": asdict(s), "wall_seconds": round(wall, 1), "corpora": {},
+               "pretrain_tokens_per_param": {}, "outer_rounds": s.rounds, "outer_grid": {}, "expectations": []}
+    blocks, pictures = [], (page.parent / "results") if page else out
+    pictures.mkdir(parents=True, exist_ok=True)
+    for c in corpora:
+        res = collect(c)
+        res["expectations"] = expectations(res, s)
+        results["corpora"][c.name] = res
+        results["pretrain_tokens_per_param"][c.name] = res["pretrain_tokens_per_param"]
+        results["outer_grid"][c.name] = res["outer_grid"]
+        results["expectations"] += [{**e, "corpus": c.name} for e in res["expectations"]]
+        files = plot_corpus(c.name, res, out) if res["pretrain"]["curve"] else {"pretrain": "", "rounds": ""}
+        if page and files["pretrain"]:
+            for f in files.values():
+                shutil.copy(out / f, pictures / f)
+        prefix = "results/" if page else ""
+        blocks.append(markdown(c.name, res, s, {k: prefix + v for k, v in files.items()}))
+    blocks.append(f"Measured wall time of all invocations of this --out: {wall / 60:.1f} min on {os.cpu_count()} cores "
+                  f"(scale `{scale_name}`).")
+    block = "\n".join(blocks)
+    (out / "RESULTS.md").write_text(block + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    if page:
+        shutil.copy(out / "results.json", pictures / "results.json")
+        write_page(page, block)
+    return results
+
+
 # ------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_eval"]:
-        eval_child(argv[1])
+        eval_child(json.loads(argv[1]))
+        return 0
+    if argv[:1] == ["_best"]:
+        best_child(json.loads(argv[1]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="corpus directory (*.jsonl[.gz]) or file")
+    p.add_argument("--corpus", nargs="+", default=["shared", "default"], choices=["shared", "default"])
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA,
+                   help="the shared corpus (directory of *.jsonl[.gz] or one file); with --corpus default and a file, "
+                        "that file replaces the machine's default corpus (tests)")
     p.add_argument("--out", type=Path, default=Path("reproduce-out"), help="work directory (re-running resumes)")
     p.add_argument("--scale", choices=list(SCALES), default="full")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="jobs (processes) at a time")
-    p.add_argument("--workers", type=int, help="workers of the 4-trainee runs (default: the scale's)")
-    p.add_argument("--ablations", action="store_true", help="also run the outer-optimizer ablations (plain averaging)")
-    p.add_argument("--page", type=Path, help="also write the table and plot into this Markdown page (e.g. docs/RESULTS.md)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="cores to keep busy")
+    p.add_argument("--page", type=Path, help="also write the tables and plots into this Markdown page (docs/RESULTS.md)")
+    p.add_argument("--report-only", action="store_true", help="write results.json and the page from what has finished")
     args = p.parse_args(argv)
     s = SCALES[args.scale]
-    if args.workers:
-        s.workers = args.workers
     began = time.perf_counter()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    if not args.data.exists():
-        raise SystemExit(f"reproduce: corpus {args.data} not found; pass --data DIR_OR_FILE or set DIPACO_CORPUS")
-    files = input_files(args.data)
-    dirs = make_shards(out, files, s)
-
-    runs = out / "runs"
-    pretrain = runs / "pretrain"
-    plain = ['grid.shape="1"', "outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false"]
-    jobs: list[Job] = []
-    if rounds_done(pretrain) < s.pretrain_rounds:
-        sets = plain + [f"inner.lr={s.pretrain_lr}", f"inner.warmup_steps={max(s.warmup, s.H // 2)}"]
-        jobs.append(Job("pretrain", train_argv(dirs["2x2"], pretrain, sets, s.pretrain_rounds, s, 1, None)))
-    specs = run_specs(s) + (ablation_specs(s) if args.ablations else [])
-    evals = out / "eval"
-    evals.mkdir(exist_ok=True)
-
-    eval_specs: list[tuple[dict, list[str]]] = []
-
-    def eval_job(name, label, run, shards, items, after):
-        """Evaluate ``run`` at every (round, extras) in ``items`` not already on disk."""
-        todo = [{"round": r, "out": str(evals / f"{name}_r{r}.json"), **extra} for r, extra in items
-                if not (evals / f"{name}_r{r}.json").is_file()]
-        if todo:
-            eval_specs.append(({"label": label, "run": str(run), "shards": str(shards), "rounds": todo}, after))
-
-    trained = {j.name for j in jobs}
-    eval_job("pretrain", "pretrained", pretrain, dirs["2x2"], [(s.pretrain_rounds, {})], sorted(trained))
-    for sp in specs:
-        run = runs / sp.name
-        after = [n for n in ["pretrain"] if n in trained]
-        if rounds_done(run) < sp.rounds:
-            sets = sp.sets + [f"inner.lr={s.lr}", f"inner.warmup_steps={s.warmup}"]
-            jobs.append(Job(sp.name, train_argv(dirs[sp.shards], run, sets, sp.rounds, s, sp.workers, pretrain),
-                            after=after))
-            trained.add(sp.name)
-        items = []
-        for r in eval_rounds(sp.rounds, s.eval_every * (sp.rounds // s.rounds)):
-            extra = {}
-            if r == sp.rounds and sp.name.startswith("dipaco-2x2"):
-                extra = {"route_every": [s.route_every], "early_stopping": True}
-                if sp.name == "dipaco-2x2":
-                    extra |= {"oracle": True, "random": True}
-            if r > 0:
-                items.append((r, extra))
-        eval_job(sp.name, sp.label, run, dirs[sp.shards], items, [sp.name] if sp.name in trained else [])
-
-    child = [sys.executable, str(Path(__file__).resolve()), "_eval"]
-    if s.one_eval_job and eval_specs:
-        jobs.append(Job("eval", child + [json.dumps([e for e, _ in eval_specs])], after=sorted(trained)))
-    for e, after in ([] if s.one_eval_job else eval_specs):
-        jobs.append(Job(f"eval-{Path(e['run']).name}", child + [json.dumps([e])], after=after))
-
-    total_rounds = {sp.name: sp.rounds for sp in specs} | {"pretrain": s.pretrain_rounds}
-
-    def describe(name: str) -> str:
-        if name in total_rounds:
-            return f"{name} {len(metrics_of(runs / name))}/{total_rounds[name]}"
-        return name
-
-    print(f"[jobs] {len(jobs)} to run ({sum(1 for j in jobs if not j.name.startswith('eval'))} trainings), "
-          f"{args.jobs} at a time; logs in {out / 'logs'}")
-    # longest first: trainings before evals, more trainee-steps first (dependencies still hold)
-    weight = {sp.name: sp.rounds * sp.trainees for sp in specs} | {"pretrain": 10 ** 9}
-    jobs.sort(key=lambda j: -weight.get(j.name, 0))
-    job_seconds = run_jobs(jobs, args.jobs, out / "logs", describe)
-    times_file = out / "job_seconds.json"  # kept across resumed invocations
-    old = json.loads(times_file.read_text()) if times_file.is_file() else {}
-    job_seconds = old | job_seconds
-    job_seconds["_wall"] = float(old.get("_wall", 0.0)) + time.perf_counter() - began
-    times_file.write_text(json.dumps(job_seconds, indent=1))
-
-    res = collect(out, specs, s, dirs, job_seconds)
-    res["scale_name"], res["jobs"] = args.scale, args.jobs
-    res["wall_seconds"] = round(job_seconds["_wall"], 1)
-    res["expectations"] = expectations(res, s)
-    plot(res, out / "perplexity_rounds.png")
-    block = markdown(res, s, "perplexity_rounds.png")
-    (out / "RESULTS.md").write_text(block + "\n")
-    (out / "results.json").write_text(json.dumps(res, indent=1, ensure_ascii=False) + "\n")
-    if args.page:
-        pictures = args.page.parent / "results"
-        pictures.mkdir(parents=True, exist_ok=True)
-        shutil.copy(out / "perplexity_rounds.png", pictures / "perplexity_rounds.png")
-        shutil.copy(out / "results.json", pictures / "results.json")
-        write_page(args.page, markdown(res, s, "results/perplexity_rounds.png"))
-    print()
-    print(block)
-    print(f"\nwrote {out / 'RESULTS.md'}, {out / 'results.json'}, {out / 'perplexity_rounds.png'}"
-          + (f" and {args.page}" if args.page else ""))
+    corpora = [Corpus(name, out, s, args.data) for name in args.corpus]
+    times_file = out / "job_seconds.json"
+    times = json.loads(times_file.read_text()) if times_file.is_file() else {}
+    if not args.report_only:
+        for c in corpora:
+            c.make_shards()
+        jobs = [j for c in corpora for j in c.jobs()]
+        print(f"[jobs] {len(jobs)} to run ({sum(1 for j in jobs if ':eval' not in j.name)} trainings and steps), "
+              f"{args.jobs} cores; logs in {out / 'logs'}")
+        times |= run_jobs(jobs, args.jobs, out / "logs")
+    times["_wall"] = float(times.get("_wall", 0.0)) + time.perf_counter() - began
+    times_file.write_text(json.dumps(times, indent=1))
+    res = report(corpora, s, out, args.page, args.scale, times["_wall"])
+    print((out / "RESULTS.md").read_text())
+    held = [e for e in res["expectations"] if e["held"] is not None]
+    print(f"expectations held: {sum(e['held'] for e in held)} of {len(held)} checked "
+          f"({len(res['expectations']) - len(held)} pending); wrote {out / 'results.json'}" + (f" and {args.page}" if args.page else ""))
     return 0
 
 
