@@ -237,10 +237,12 @@ def metrics_of(run: Path) -> list[dict]:
 
 
 def dp_bytes(per_path: int, replicas: int, steps: int) -> int:
-    """Bytes all workers send when ``replicas`` data-parallel copies all-reduce bf16 gradients every step."""
-    from dipaco.comm import analytic_bytes
+    """Bytes all workers send when ``replicas`` data-parallel copies all-reduce bf16 gradients every step: a
+    reduce-scatter + all-gather, 2(n−1)/n of the gradient per replica (not dipaco's transport, which below
+    32 bits all-gathers every trainee's own payload)."""
+    from dipaco.comm import allreduce_bytes
 
-    return replicas * analytic_bytes(per_path, replicas, 16, 128, "auto") * steps
+    return replicas * allreduce_bytes(per_path, replicas, 16) * steps
 
 
 def collect(out: Path, specs: list[RunSpec], s: Scale, dirs: dict[str, Path], job_seconds: dict) -> dict:

@@ -196,13 +196,15 @@ class StreamingConfig:
 @dataclass
 class CommConfig:
     bits: int = 32
-    """Bits per outer-gradient value on the wire: 32 (fp32, exact), 16 (bf16), 8 or 4 (blockwise int + bf16 scale)."""
+    """Bits per outer-gradient value on the wire: 32 (fp32, exact), 16 (bf16), 8 or 4 (blockwise int + bf16
+    scale). Below 32 every trainee's outer gradient is quantized once, as if sent from its own worker, and
+    the module's gradient is Σ w_i·deq(Q(Δ_i)) on any number of workers (the world of one included)."""
     block_size: int = 128
     """Values per quantization block (one bf16 scale each)."""
     pattern: str = "auto"
-    """Collective: 'allgather' (every holder sends its payload to every other), 'reduce_scatter' (quantized
-    chunks to their owners, fp32 sum, re-quantize, all-gather), or 'auto' (the one moving fewer bytes:
-    all-gather for 2 holders, reduce-scatter from 3)."""
+    """Collective: 'allgather' (every holder sends its payloads to every other), 'reduce_scatter' (bits = 32
+    only: fp32 partial-sum chunks to their owners, added, all-gathered), or 'auto' (all-gather whenever
+    bits < 32; at 32 bits all-gather for 2 holders and reduce-scatter from 3, which moves fewer bytes)."""
     simulate_mbit: float = 0.0
     """If > 0, every collective takes at least bytes·8/(this many Mbit/s) + latency (a slow link on one machine)."""
     simulate_latency_ms: float = 0.0
@@ -422,6 +424,10 @@ def validate(cfg) -> None:
             raise DipacoError(f"config: 'comm.block_size' must be an even number >= 2, got {c.block_size}")
         if c.pattern not in ("auto", "allgather", "reduce_scatter"):
             raise DipacoError(f"config: 'comm.pattern' must be 'auto', 'allgather' or 'reduce_scatter', got {c.pattern!r}")
+        from dipaco.comm import pattern_error
+
+        if pattern_error(c.bits, c.pattern):
+            raise DipacoError(pattern_error(c.bits, c.pattern))
         if c.simulate_mbit < 0 or c.simulate_latency_ms < 0:
             raise DipacoError("config: 'comm.simulate_mbit' and 'comm.simulate_latency_ms' must be >= 0")
     if isinstance(cfg, ShardConfig):

@@ -253,10 +253,9 @@ def build(cfg: TrainConfig, shards: ShardSet, grid: Grid, world, device: torch.d
     mine = [i for i, r in enumerate(ranks) if r == world.rank]
     trainees = [make_trainee(i, *plan[i], grid, shards, cfg, device) for i in mine]
     weights = module_weights([grid.path_modules(p) for p, _ in plan], [trainee_size(shards, s) for _, s in plan])
-    holders = {m: sorted({ranks[i] for i in ws}) for m, ws in weights.items()}
-    world.setup(holders)
+    world.setup({m: {i: ranks[i] for i in ws} for m, ws in weights.items()})
     config = llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)
-    held = [m for m in weights if world.rank in holders[m]]
+    held = [m for m, ws in weights.items() if any(ranks[i] == world.rank for i in ws)]
     every = init_modules(grid, config, cfg.seed)
     counts = {"total": count_parameters(every), "per_path": count_parameters(every, grid.path_modules(plan[0][0]))}
     modules = {m: t for m, t in every.items() if m in held}
