@@ -142,9 +142,12 @@ class GridConfig:
     private_blocks: list[int] = field(default_factory=list)
     """Blocks that every path keeps to itself (paper: 0, 5, 6, 11)."""
     private_embedding: bool = False
-    """Give every path its own embedding (and tied head)."""
+    """Give every path its own input embedding (model.embed_tokens). With model.tie_embeddings (the default)
+    the output head is that same tensor, so it becomes path-private too."""
     private_head: bool = False
-    """Give every path its own final norm (and untied output head)."""
+    """Give every path its own final norm (model.norm) and output head (lm_head). Needs
+    model.tie_embeddings = false: a tied head is the embedding, which private_head cannot split off (make it
+    private with private_embedding; then private_head adds the final norm)."""
     sqrt_rescale: bool = False
     """Rescale a module's averaged outer gradient by sqrt(paths through it) (DiPaCo §2.7)."""
     replicas_per_shard: bool = False
@@ -403,6 +406,11 @@ def validate(cfg) -> None:
             raise DipacoError(f"config: model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
         if m.num_heads % m.num_kv_heads:
             raise DipacoError(f"config: model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads ({m.num_kv_heads})")
+        if cfg.grid.private_head and m.tie_embeddings and not cfg.grid.private_embedding:
+            raise DipacoError("config: grid.private_head=true with model.tie_embeddings=true would keep only the final norm "
+                              "private (the tied output head is the shared embedding); set model.tie_embeddings=false to "
+                              "give every path its own output head, or grid.private_embedding=true to make the embedding "
+                              "and its tied head private together")
         positive("inner.lr", cfg.inner.lr)
         positive("inner.batch_size", cfg.inner.batch_size)
         positive("outer.lr", cfg.outer.lr)
