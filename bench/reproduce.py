@@ -442,10 +442,12 @@ def best_child(spec: dict) -> None:
 
 # ---------------------------------------------------------------------------------------- results
 def dp_bytes(per_path: int, replicas: int, steps: int) -> int:
-    """Bytes all workers send when ``replicas`` data-parallel copies all-reduce bf16 gradients every step."""
-    from dipaco.comm import analytic_bytes
+    """Bytes all workers send when ``replicas`` data-parallel copies all-reduce bf16 gradients every step: a
+    reduce-scatter + all-gather, 2(n−1)/n of the gradient per replica (not dipaco's transport, which below
+    32 bits all-gathers every trainee's own payload)."""
+    from dipaco.comm import allreduce_bytes
 
-    return replicas * analytic_bytes(per_path, replicas, 16, 128, "auto") * steps
+    return replicas * allreduce_bytes(per_path, replicas, 16) * steps
 
 
 def collect(c: Corpus) -> dict:

@@ -149,9 +149,12 @@ class GridConfig:
     private_blocks: list[int] = field(default_factory=list)
     """Blocks that every path keeps to itself (paper: 0, 5, 6, 11)."""
     private_embedding: bool = False
-    """Give every path its own embedding (and tied head)."""
+    """Give every path its own input embedding (model.embed_tokens). With model.tie_embeddings (the default)
+    the output head is that same tensor, so it becomes path-private too."""
     private_head: bool = False
-    """Give every path its own final norm (and untied output head)."""
+    """Give every path its own final norm (model.norm) and output head (lm_head). Needs
+    model.tie_embeddings = false: a tied head is the embedding, which private_head cannot split off (make it
+    private with private_embedding; then private_head adds the final norm)."""
     sqrt_rescale: bool = False
     """Rescale a module's averaged outer gradient by sqrt(paths through it) (DiPaCo §2.7)."""
     replicas_per_shard: bool = False
@@ -203,13 +206,15 @@ class StreamingConfig:
 @dataclass
 class CommConfig:
     bits: int = 32
-    """Bits per outer-gradient value on the wire: 32 (fp32, exact), 16 (bf16), 8 or 4 (blockwise int + bf16 scale)."""
+    """Bits per outer-gradient value on the wire: 32 (fp32, exact), 16 (bf16), 8 or 4 (blockwise int + bf16
+    scale). Below 32 every trainee's outer gradient is quantized once, as if sent from its own worker, and
+    the module's gradient is Σ w_i·deq(Q(Δ_i)) on any number of workers (the world of one included)."""
     block_size: int = 128
     """Values per quantization block (one bf16 scale each)."""
     pattern: str = "auto"
-    """Collective: 'allgather' (every holder sends its payload to every other), 'reduce_scatter' (quantized
-    chunks to their owners, fp32 sum, re-quantize, all-gather), or 'auto' (the one moving fewer bytes:
-    all-gather for 2 holders, reduce-scatter from 3)."""
+    """Collective: 'allgather' (every holder sends its payloads to every other), 'reduce_scatter' (bits = 32
+    only: fp32 partial-sum chunks to their owners, added, all-gathered), or 'auto' (all-gather whenever
+    bits < 32; at 32 bits all-gather for 2 holders and reduce-scatter from 3, which moves fewer bytes)."""
     simulate_mbit: float = 0.0
     """If > 0, every collective takes at least bytes·8/(this many Mbit/s) + latency (a slow link on one machine)."""
     simulate_latency_ms: float = 0.0
@@ -408,6 +413,11 @@ def validate(cfg) -> None:
             raise DipacoError(f"config: model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
         if m.num_heads % m.num_kv_heads:
             raise DipacoError(f"config: model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads ({m.num_kv_heads})")
+        if cfg.grid.private_head and m.tie_embeddings and not cfg.grid.private_embedding:
+            raise DipacoError("config: grid.private_head=true with model.tie_embeddings=true would keep only the final norm "
+                              "private (the tied output head is the shared embedding); set model.tie_embeddings=false to "
+                              "give every path its own output head, or grid.private_embedding=true to make the embedding "
+                              "and its tied head private together")
         positive("inner.lr", cfg.inner.lr)
         positive("inner.batch_size", cfg.inner.batch_size)
         positive("outer.lr", cfg.outer.lr)
@@ -429,6 +439,10 @@ def validate(cfg) -> None:
             raise DipacoError(f"config: 'comm.block_size' must be an even number >= 2, got {c.block_size}")
         if c.pattern not in ("auto", "allgather", "reduce_scatter"):
             raise DipacoError(f"config: 'comm.pattern' must be 'auto', 'allgather' or 'reduce_scatter', got {c.pattern!r}")
+        from dipaco.comm import pattern_error
+
+        if pattern_error(c.bits, c.pattern):
+            raise DipacoError(pattern_error(c.bits, c.pattern))
         if c.simulate_mbit < 0 or c.simulate_latency_ms < 0:
             raise DipacoError("config: 'comm.simulate_mbit' and 'comm.simulate_latency_ms' must be >= 0")
     if isinstance(cfg, ShardConfig):

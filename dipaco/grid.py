@@ -7,7 +7,9 @@ Module ids:
   ``embed`` / ``head``          the shared input embedding / final norm and output head
   ``L{l}.E{k}``                 module k of level l (the level's blocks that are not private)
   ``B{b}@{path}``, ``embed@{path}``, ``head@{path}``   components a path keeps private
-A component is ``embed``, ``head`` or ``block.{b}``; model.py maps components to parameters.
+A component is ``embed``, ``head`` or ``block.{b}``; model.py maps components to parameters. With tied
+embeddings (the default) the output head's weight *is* the embedding, so it belongs to ``embed`` and
+``head`` holds only the final norm; the config refuses a private head whose weight is a shared embedding.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ def llama_config(model: ModelConfig, vocab_size: int, eos_token_id: int) -> Llam
 
 
 def component_of(param_name: str) -> str:
-    """Which grid component (``embed``, ``head``, ``block.{b}``) owns a parameter."""
+    """Which grid component (``embed``, ``head``, ``block.{b}``) owns a parameter. A tied output head has no
+    parameter of its own (named_parameters lists it once, as the embedding): it goes with ``embed``."""
     if param_name.startswith("model.embed_tokens."):
         return "embed"
     if param_name.startswith(("model.norm.", "lm_head.")):

@@ -3,7 +3,9 @@
 Outer gradient of module m from trainee i: ``Δ_i = θ_m(global) − θ_m(trainee i)`` (old minus new).
 Module average: ``Δ_m = Σ_i w_i Δ_i`` over the trainees whose path contains m, with ``w_i`` proportional
 to the trainee's shard size and summing to 1 over those trainees (DiPaCo Eq. 2-3); optionally
-rescaled by ``sqrt(#paths through m)`` (DiPaCo §2.7). Everything here is fp32.
+rescaled by ``sqrt(#paths through m)`` (DiPaCo §2.7). Everything here is fp32. With a quantized
+transport (``comm.bits`` < 32) each Δ_i is quantized on its own and the sum is ``Σ_i w_i deq(Q(Δ_i))``
+(``dipaco.comm``); ``weighted_sum`` is the one place where the terms are added.
 """
 
 from __future__ import annotations
@@ -27,15 +29,21 @@ def module_weights(trainee_modules: list[list[str]], trainee_sizes: list[float])
 
 
 @torch.no_grad()
-def add_weighted_outer_gradient(accumulator: dict[str, torch.Tensor], global_tensors: dict[str, torch.Tensor],
-                                local_tensors: dict[str, torch.Tensor], weight: float) -> None:
-    """accumulator += weight * (global - local), in fp32 (accumulator starts at zeros)."""
-    for name, acc in accumulator.items():
-        acc.add_(global_tensors[name] - local_tensors[name].detach().float(), alpha=weight)
+def outer_gradient(global_tensors: dict[str, torch.Tensor], local_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Δ_i = global - local (old minus new), fp32, for the names of ``global_tensors``."""
+    return {name: g - local_tensors[name].detach().float() for name, g in global_tensors.items()}
 
 
-def zeros_like_module(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: torch.zeros_like(t, dtype=torch.float32) for n, t in tensors.items()}
+@torch.no_grad()
+def weighted_sum(vectors: dict[int, torch.Tensor], weights: dict[int, float]) -> torch.Tensor:
+    """Σ_i w_i·v_i in fp32, added in trainee-index order (``vectors``: trainee -> tensor, all one shape).
+    Every world reduces through this one function, so the same contributions give the same bits
+    whichever worker holds which trainee."""
+    order = sorted(vectors)
+    total = torch.zeros_like(vectors[order[0]], dtype=torch.float32)
+    for i in order:
+        total.add_(vectors[i], alpha=weights[i])
+    return total
 
 
 def sqrt_rescale(grad: dict[str, torch.Tensor], paths_through: int) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from dipaco.outer import OuterOptimizer, add_weighted_outer_gradient, sqrt_rescale, zeros_like_module
+from dipaco.outer import OuterOptimizer, outer_gradient, sqrt_rescale
 from dipaco.streaming import Pending, merge, split_fragments, syncs_at
 
 
@@ -29,8 +29,10 @@ class ModuleSync:
         self.sqrt = cfg.grid.sqrt_rescale
         self.modules, self.outer, self.world, self.paths_through = modules, outer, world, paths_through
         self.trainees = {tr.index: tr for tr in trainees}
-        # only this worker's trainees contribute here; the world sums over the module's holders
-        self.weights = {m: {i: w for i, w in ws.items() if i in self.trainees} for m, ws in weights.items() if m in modules}
+        # the weights of all of a module's trainees go to the world (every holder adds every term);
+        # self.weights keeps this worker's trainees: the ones that contribute and merge here
+        self.all_weights = {m: ws for m, ws in weights.items() if m in modules}
+        self.weights = {m: {i: w for i, w in ws.items() if i in self.trainees} for m, ws in self.all_weights.items()}
         self.fragments = {m: split_fragments(list(t), cfg.model.num_layers, self.F, s.layout) for m, t in modules.items()}
         self.pending: list[Pending] = []
 
@@ -42,7 +44,9 @@ class ModuleSync:
     def after_step(self, t: int) -> None:
         """Call after global inner step t: start the fragments due, apply the reductions due."""
         for f in syncs_at(t, self.H, self.F):
-            self.pending.append(Pending(f, t, t + self.tau, self.world.start_reduce(self._outer_gradients(f))))
+            deltas = self._outer_gradients(f)
+            handle = self.world.start_reduce(deltas, {m: self.all_weights[m] for m in deltas})
+            self.pending.append(Pending(f, t, t + self.tau, handle))
         for p in [p for p in self.pending if p.apply_at <= t]:
             self._apply(p)
 
@@ -51,18 +55,16 @@ class ModuleSync:
             self._apply(p)
 
     @torch.no_grad()
-    def _outer_gradients(self, f: int) -> dict[str, dict[str, torch.Tensor]]:
-        grads = {}
+    def _outer_gradients(self, f: int) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
+        """{module: {trainee: Δ_i of fragment f}} for this worker's trainees (weighting and summing is the world's)."""
+        deltas = {}
         for m, contributors in self.weights.items():
             names = self.fragments[m][f]
             if not names:
                 continue
             glob = {n: self.modules[m][n] for n in names}
-            grad = zeros_like_module(glob)
-            for i, w in contributors.items():
-                add_weighted_outer_gradient(grad, glob, self.trainees[i].model.module_tensors(m), w)
-            grads[m] = grad
-        return grads
+            deltas[m] = {i: outer_gradient(glob, self.trainees[i].model.module_tensors(m)) for i in sorted(contributors)}
+        return deltas
 
     @torch.no_grad()
     def _apply(self, p: Pending) -> None:

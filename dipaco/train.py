@@ -127,7 +127,8 @@ def trainee_size(shards: ShardSet, sources: list[str]) -> int:
 
 
 def lr_at(step: int, total: int, inner: InnerConfig) -> float:
-    """Linear warmup, then cosine decay to min_lr_ratio of the peak at the last step."""
+    """Linear warmup, then cosine decay to min_lr_ratio of the peak at step ``total`` (the schedule's length,
+    fixed when the run is created: ``schedule_steps``); steps past it keep that final lr."""
     if step < inner.warmup_steps:
         return inner.lr * (step + 1) / inner.warmup_steps
     progress = min(1.0, (step - inner.warmup_steps) / max(1, total - inner.warmup_steps))
@@ -188,7 +189,8 @@ def validate(modules, val_models: dict[str, PathModel], val_windows: dict[str, t
     return out
 
 
-_COMPATIBLE_SECTIONS = ("model", "grid", "inner", "outer", "streaming", "seed")
+# inner_steps too: a round's global steps (r·H + 1 ...) and the trainees' step counters must keep lining up
+_COMPATIBLE_SECTIONS = ("model", "grid", "inner", "outer", "streaming", "seed", "inner_steps")
 
 
 def check_resumable(cfg: TrainConfig, run_dir: Path, resume: bool, shards: ShardSet) -> int:
@@ -208,6 +210,17 @@ def check_resumable(cfg: TrainConfig, run_dir: Path, resume: bool, shards: Shard
     if info["shards_fingerprint"] != shards.fingerprint:
         raise DipacoError(f"cannot resume {run_dir}: it was trained on other shards ({info['shards_dir']}); pass those --shards")
     return latest
+
+
+def schedule_steps(run_dir: Path) -> int:
+    """The lr schedule's length in inner steps, fixed when the run was created (run.json; runs made before it
+    was recorded: their config.toml, which is written once, at creation). Extending a run with --resume and
+    more --rounds does not stretch the cosine: the extra steps run at the final lr."""
+    info = read_json(run_dir / "run.json", "run description")
+    if "schedule_steps" in info:
+        return int(info["schedule_steps"])
+    first = from_dict(TrainConfig, read_toml(run_dir / "config.toml"))
+    return first.rounds * first.inner_steps
 
 
 def prepare_run(cfg: TrainConfig, run_dir: Path, resume: bool, shards: ShardSet, grid: Grid) -> int:
@@ -253,10 +266,9 @@ def build(cfg: TrainConfig, shards: ShardSet, grid: Grid, world, device: torch.d
     mine = [i for i, r in enumerate(ranks) if r == world.rank]
     trainees = [make_trainee(i, *plan[i], grid, shards, cfg, device) for i in mine]
     weights = module_weights([grid.path_modules(p) for p, _ in plan], [trainee_size(shards, s) for _, s in plan])
-    holders = {m: sorted({ranks[i] for i in ws}) for m, ws in weights.items()}
-    world.setup(holders)
+    world.setup({m: {i: ranks[i] for i in ws} for m, ws in weights.items()})
     config = llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)
-    held = [m for m in weights if world.rank in holders[m]]
+    held = [m for m, ws in weights.items() if any(ranks[i] == world.rank for i in ws)]
     every = init_modules(grid, config, cfg.seed)
     counts = {"total": count_parameters(every), "per_path": count_parameters(every, grid.path_modules(plan[0][0]))}
     modules = {m: t for m, t in every.items() if m in held}
@@ -284,24 +296,29 @@ def write_run_info(cfg, run_dir: Path, shards: ShardSet, shards_dir, grid: Grid,
         "trainees": [{"path": p, "sources": s, "tokens": trainee_size(shards, s), "worker": r}
                      for (p, s), r in zip(su.plan, su.ranks)],
         "workers": world.size,
+        "schedule_steps": cfg.rounds * cfg.inner_steps,  # the lr schedule's length, kept when a run is extended
         "parameters": su.param_counts,
         "versions": {"dipaco": dipaco.__version__, "torch": torch.__version__}})
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
 
 
-def start_round(cfg, run_dir: Path, resume: bool, shards: ShardSet, shards_dir, grid: Grid, su: Setup, world) -> int:
-    """Rank 0 checks (or creates) the run directory; every rank gets the round to start from (or the error)."""
+def start_round(cfg, run_dir: Path, resume: bool, shards: ShardSet, shards_dir, grid: Grid, su: Setup,
+                world) -> tuple[int, int]:
+    """Rank 0 checks (or creates) the run directory; every rank gets the round to start from and the lr
+    schedule's length (or the error)."""
     result = None
     if world.rank == 0:
         try:
-            result = prepare_run(cfg, run_dir, resume, shards, grid)
-            if result == 0:
+            start = prepare_run(cfg, run_dir, resume, shards, grid)
+            if start == 0:
                 write_run_info(cfg, run_dir, shards, shards_dir, grid, su, world)
+            result = (start, schedule_steps(run_dir))
         except DipacoError as exc:
             result = exc
     result = world.broadcast(result if world.rank == 0 else None)
     if isinstance(result, DipacoError):
         raise DipacoError(str(result))
+    result, total = result
     if result > 0:
         load_round(run_dir, result, su)
     if result == 0 or not su.sync.keeps_local_weights:
@@ -309,7 +326,7 @@ def start_round(cfg, run_dir: Path, resume: bool, shards: ShardSet, shards_dir, 
             tr.model.load_modules(su.modules)
     if result == 0:
         save_round(run_dir, 0, su, world)
-    return result
+    return result, total
 
 
 def load_round(run_dir: Path, r: int, su: Setup) -> None:
@@ -392,10 +409,10 @@ def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume:
 
 def _train(cfg, shards, shards_dir, run_dir, resume, progress, grid, device, world) -> dict:
     su = build(cfg, shards, grid, world, device)
-    start = start_round(cfg, run_dir, resume, shards, shards_dir, grid, su, world)
-    H, total = cfg.inner_steps, cfg.rounds * cfg.inner_steps
+    start, total = start_round(cfg, run_dir, resume, shards, shards_dir, grid, su, world)  # total: lr schedule steps
+    H = cfg.inner_steps
     metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if world.rank == 0 else None
-    bar = tqdm(total=(cfg.rounds - start) * H * len(su.trainees), desc=f"train {run_dir.name}", unit="step",
+    bar = tqdm(total=max(0, cfg.rounds - start) * H * len(su.trainees), desc=f"train {run_dir.name}", unit="step",
                disable=not progress or world.rank != 0, dynamic_ncols=True, mininterval=1.0)
     for r in range(start, cfg.rounds):
         began, compute, step_losses, inner_logs = time.perf_counter(), 0.0, {tr.index: [] for tr in su.trainees}, []

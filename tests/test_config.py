@@ -49,3 +49,10 @@ def test_toml_round_trip(tmp_path, cls):
     f = tmp_path / "c.toml"
     f.write_text(to_toml(cfg))
     assert to_dict(from_dict(cls, read_toml(f))) == to_dict(cfg)
+
+
+def test_private_head_needs_an_untied_head():
+    with pytest.raises(DipacoError, match="set model.tie_embeddings=false"):
+        resolve(TrainConfig, overrides=["grid.private_head=true"])  # tied by default: the head is the embedding
+    resolve(TrainConfig, overrides=["grid.private_head=true", "model.tie_embeddings=false"])
+    resolve(TrainConfig, overrides=["grid.private_head=true", "grid.private_embedding=true"])  # tied, both private

@@ -63,16 +63,20 @@ def _assert_holders_identical_and_alone(out, numel_of, bits, syncs_per_fragment)
     for rep in reports:
         for m in rep["modules"]:
             holders.setdefault(m, []).append(rep["rank"])
+    run = Run(out)
+    trainees = run.info["trainees"]  # [{path, worker, ...}]: how many of a module's trainees each holder has
     for m, ranks in holders.items():
         digests = {rep["modules"][m] for rep in reports if rep["rank"] in ranks}
         assert len(digests) == 1, m  # shared modules end bit-identical on all holders
+        counts = [sum(t["worker"] == r and m in run.grid.path_modules(t["path"]) for t in trainees) for r in ranks]
         for rep in reports:
-            sent, received = rep["module_bytes"].get(m, [0, 0])
+            got = rep["module_bytes"].get(m, [0, 0])
             if rep["rank"] not in ranks or len(ranks) == 1:
-                assert sent == received == 0, (m, rep["rank"])  # only holders exchange a module
+                assert got == [0, 0], (m, rep["rank"])  # only holders exchange a module
             else:
-                want = sum(analytic_bytes(k, len(ranks), bits, 128, "auto") for k in numel_of(m)) * syncs_per_fragment
-                assert sent == received == want, (m, rep["rank"])
+                per = [analytic_bytes(k, counts, bits, 128)[ranks.index(rep["rank"])] for k in numel_of(m)]
+                want = [sum(s for s, _ in per) * syncs_per_fragment, sum(r for _, r in per) * syncs_per_fragment]
+                assert got == want, (m, rep["rank"])
     return holders
 
 
@@ -88,9 +92,16 @@ def _numels(run, fragments=1):
     return numel_of
 
 
-def test_three_workers_match_the_world_of_one(shards_2x2, tmp_path):
-    one = tmp_path / "one"
-    train(tiny_train_config("val_batches=0", rounds=ROUNDS, inner_steps=H), shards_2x2, one, progress=False)
+@pytest.fixture(scope="module")
+def one_fp32(shards_2x2, tmp_path_factory):
+    """The world of one at 32 bits: the reference of the multi-worker runs."""
+    out = tmp_path_factory.mktemp("one") / "one"
+    train(tiny_train_config("val_batches=0", rounds=ROUNDS, inner_steps=H), shards_2x2, out, progress=False)
+    return out
+
+
+def test_three_workers_match_the_world_of_one(shards_2x2, one_fp32, tmp_path):
+    one = one_fp32
     three = tmp_path / "three"
     _run_workers(shards_2x2, three, 3)
     _assert_close(one, three, atol=1e-5)
@@ -102,6 +113,27 @@ def test_three_workers_match_the_world_of_one(shards_2x2, tmp_path):
     assert [r["round"] for r in rounds] == [1, 2] and all(r["bytes_sent"] > 0 and r["workers"] == 3 for r in rounds)
     assert all(k in rounds[0] for k in ("compute_s", "comm_s", "wait_s", "bytes_received"))
     assert json.loads((three / "run.json").read_text())["workers"] == 3
+
+
+def test_four_bits_is_the_same_maths_on_one_two_and_three_workers(shards_2x2, one_fp32, tmp_path):
+    """--bits 4 quantizes every trainee's outer gradient once, whatever the layout: the world of one, 2 workers
+    (2 trainees each) and 3 workers (2, 1, 1 trainees) end with the same weights, and not with fp32's."""
+    one = tmp_path / "one4"
+    train(tiny_train_config("val_batches=0", "comm.bits=4", rounds=ROUNDS, inner_steps=H), shards_2x2, one,
+          progress=False)
+    a = checkpoint.load_modules(one, ROUNDS)
+    for workers in (2, 3):
+        run = tmp_path / f"w{workers}"
+        _run_workers(shards_2x2, run, workers, "comm.bits=4")
+        b = checkpoint.load_modules(run, ROUNDS)
+        worst = max((a[m][n] - b[m][n]).abs().max().item() for m in a for n in a[m])
+        print(f"--bits 4: world of one vs {workers} workers, max weight difference {worst:.3g}")
+        assert worst <= 1e-4, worst
+        _assert_holders_identical_and_alone(run, _numels(run), 4, ROUNDS)
+    fp32 = checkpoint.load_modules(one_fp32, ROUNDS)
+    gap = max((a[m][n] - fp32[m][n]).abs().max().item() for m in a for n in a[m])
+    print(f"world of one, --bits 4 vs --bits 32: max weight difference {gap:.3g}")
+    assert gap > 5e-4, gap  # 5x the tolerance above: the world of one does not skip the 4-bit transport
 
 
 def test_two_workers_streaming_match_the_world_of_one(shards_2x2, two_streaming, tmp_path):

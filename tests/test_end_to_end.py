@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -63,10 +64,14 @@ def test_prefix_is_not_scored(shards_2x2, tmp_path):
 
 
 def test_resume_is_bit_identical(shards_2x2, tmp_path):
+    """A 2-round run stopped after round 1 and resumed ends as the straight run, bit for bit. (Extending a
+    finished 1-round run to 2 rounds is not the same run: its lr schedule stays the 1-round one, see
+    tests/test_schedule.py.)"""
     cfg = tiny_train_config(rounds=2, inner_steps=6)
     train(cfg, shards_2x2, tmp_path / "straight", progress=False)
-    half = tiny_train_config(rounds=1, inner_steps=6)
-    train(half, shards_2x2, tmp_path / "resumed", progress=False)
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "round_2")  # stopped after round 1
+    (tmp_path / "resumed" / "checkpoints" / "latest").write_text("round_1\n")
     train(cfg, shards_2x2, tmp_path / "resumed", resume=True, progress=False)
     a = checkpoint.load_modules(tmp_path / "straight", 2)
     b = checkpoint.load_modules(tmp_path / "resumed", 2)

@@ -11,7 +11,20 @@ CFG = llama_config(ModelConfig(hidden_size=32, num_layers=4, num_heads=2, num_kv
 def test_component_of():
     assert component_of("model.embed_tokens.weight") == "embed"
     assert component_of("model.layers.3.mlp.up_proj.weight") == "block.3"
-    assert component_of("model.norm.weight") == "head"
+    assert component_of("model.norm.weight") == "head" and component_of("lm_head.weight") == "head"
+
+
+def test_what_a_private_head_and_embedding_hold():
+    untied = llama_config(ModelConfig(hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=2, intermediate_size=64,
+                                      max_seq_len=32, tie_embeddings=False), vocab_size=300, eos_token_id=0)
+    pm = PathModel(Grid.build("2x2", 4, private_head=True), "0-1", untied)
+    assert pm.module_params["head@0-1"] == ["model.norm.weight", "lm_head.weight"]
+    assert pm.module_params["embed"] == ["model.embed_tokens.weight"]
+    # tied: the head weight is the embedding, so a private embedding carries it and "head" is the norm alone
+    pm = PathModel(Grid.build("2x2", 4, private_embedding=True, private_head=True), "0-1", CFG)
+    assert pm.module_params["embed@0-1"] == ["model.embed_tokens.weight"]
+    assert pm.module_params["head@0-1"] == ["model.norm.weight"]
+    assert pm.model.lm_head.weight is pm.params["model.embed_tokens.weight"]
 
 
 def test_modules_cover_every_parameter_exactly_once():
@@ -47,3 +60,34 @@ def test_path_model_runs_and_modules_read_back():
     for m in pm.modules:
         for n, t in pm.module_tensors(m).items():
             assert torch.equal(t, modules[m][n])
+
+
+def test_private_untied_head_trains_per_path_and_exports(shards_2x2, tmp_path):
+    """grid.private_head with model.tie_embeddings=false: every path has its own lm_head after training, and an
+    exported path loads in plain transformers with that head."""
+    from transformers import AutoModelForCausalLM
+
+    from dipaco import checkpoint
+    from dipaco.eval.api import load
+    from dipaco.train import train
+
+    from conftest import tiny_train_config
+
+    run = tmp_path / "run"
+    train(tiny_train_config("grid.private_head=true", "model.tie_embeddings=false", "val_batches=0", rounds=1,
+                            inner_steps=3), shards_2x2, run, progress=False)
+    start, end = checkpoint.load_modules(run, 0), checkpoint.load_modules(run, 1)
+    heads = [f"head@{p}" for p in ("0-0", "0-1", "1-0", "1-1")]
+    assert all(torch.equal(start[h]["lm_head.weight"], start[heads[0]]["lm_head.weight"]) for h in heads)  # one start
+    for i, a in enumerate(heads):
+        for b in heads[i + 1:]:
+            assert not torch.equal(end[a]["lm_head.weight"], end[b]["lm_head.weight"]), (a, b)
+    assert "lm_head.weight" not in end["embed"]
+    rr = load(run)
+    rr.export("0-1", tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert not model.config.tie_word_embeddings
+    assert torch.equal(model.lm_head.weight, end["head@0-1"]["lm_head.weight"])
+    ids = torch.randint(0, 100, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, rr.path_model("0-1").model(input_ids=ids).logits)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dipaco import checkpoint
+from dipaco.comm import LocalWorld
 from dipaco.errors import DipacoError
 from dipaco.outer import OuterOptimizer
 from dipaco.streaming import block_fragment, fragment_of, offsets, syncs_at
@@ -31,15 +32,17 @@ def test_schedule_offsets_spread_over_h():
     assert [t for t in range(1, 25) if syncs_at(t, 8, 1)] == [8, 16, 24]  # F = 1: the end of every round
 
 
-class _FakeWorld:
-    """Records when reductions start; returns the partial sums unchanged (a world of one)."""
+class _FakeWorld(LocalWorld):
+    """A world of one (fp32) that records the module outer gradients of every reduction it starts."""
 
     def __init__(self):
+        super().__init__()
         self.started = []
 
-    def start_reduce(self, grads):
-        self.started.append({m: {n: t.clone() for n, t in g.items()} for m, g in grads.items()})
-        return SimpleNamespace(wait=lambda: grads)
+    def start_reduce(self, deltas, weights):
+        handle = super().start_reduce(deltas, weights)
+        self.started.append({m: {n: t.clone() for n, t in g.items()} for m, g in handle.wait().items()})
+        return handle
 
 
 def test_overlap_and_merge_match_a_hand_computed_sequence():
