@@ -82,6 +82,7 @@ def cached_eval(out: Path, **kwargs) -> dict:
     from dipaco.io import write_json
 
     if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
         write_json(out, evaluate(progress=False, **kwargs))
     return json.loads(out.read_text())
 
