@@ -17,8 +17,9 @@ shard; DiPaCo: one trainee per path), so the tokens are the same. Reported per m
 Data-parallel is DiLoCo with H = 1 and an outer SGD of lr 1 without momentum (the parameters are
 averaged after every AdamW step), its transport in bf16. The ratios compare with the data-parallel
 reference: the bytes of a bf16 gradient all-reduce (reduce-scatter + all-gather) among the 2 workers
-every step, computed (``dipaco.comm.allreduce_bytes``). dipaco's own transport below 32 bits sends
-every trainee's payload (2 per worker here), so the measured data-parallel row sends twice that.
+every step, computed (``dipaco.comm.allreduce_bytes``). dipaco's own transport below 32 bits quantizes
+every trainee's outer gradient (2 per worker here) and the reduce-scatter moves each one's chunks, so a
+worker sends 1.5 payloads per sync and the measured data-parallel row sends 1.5x the reference.
 Usage: python bench/comm.py [--quick] [--out bench/comm_results.json]
 """
 

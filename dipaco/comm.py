@@ -10,15 +10,18 @@ Two worlds share one small interface (what ``dipaco.sync`` and ``dipaco.train`` 
   ``gather(obj)`` -> list of every rank's obj on rank 0 (None elsewhere); ``broadcast(obj)`` from rank 0
   ``stats()`` / ``reset_stats()``: bytes sent/received, communication and waiting seconds
 
-Transport T (``comm.bits``), defined per trainee so that a config computes the same thing on any layout:
-  bits < 32   each trainee's Δ_i (the module's or fragment's tensors flattened in a fixed name order) is
-              quantized once, as if sent from its own worker; every holder dequantizes every trainee's
-              payload and sums ``w_i·deq(Q(Δ_i))`` in fp32 in trainee-index order (``weighted_sum``).
-              A worker with several trainees sends each one's payload; a module held by one worker, and the
-              world of one, do the quantize -> dequantize round trip locally and move zero bytes. Same
-              numbers, same order: 1 or N workers give bit-identical outer gradients.
-  bits = 32   exact: T is the identity, so a worker may send the fp32 partial sum of its own trainees and
-              the holders add the partial sums (equal to the world of one up to fp32 reassociation).
+Transport (``comm.bits``), one definition on every layout, so a config computes the same thing on any number
+of workers (the world of one included):
+  bits < 32   up and down quantization: ``Δ_m = Q_down(Σ_i w_i·deq(Q_up(Δ_i)))``. Q_up: each trainee's Δ_i (the
+              module's or fragment's tensors flattened in a fixed name order) is quantized once, as if sent from
+              its own worker. The terms are added in fp32 in trainee-index order (``weighted_sum``). Q_down: the
+              sum is quantized again blockwise from index 0 and dequantized, as the owner of a reduce-scatter
+              chunk does before the all-gather; the chunks are whole blocks, so quantizing chunk by chunk is
+              quantizing the whole vector. Every holder applies the same Δ_m, bit for bit, whichever pattern
+              carried it; the world of one and a module held by one worker do both steps locally (zero bytes).
+              ``bits = 16`` is the same rule with bf16 rounding as Q.
+  bits = 32   exact: no Q, so a worker may send the fp32 partial sum of its own trainees and the holders add
+              the partial sums (equal to the world of one up to fp32 reassociation).
 
 ``LocalWorld`` (no launcher): every trainee is in this process; nothing crosses a wire.
 ``DistWorld`` (torchrun): one process group per distinct set of holders, created once in the same
@@ -26,17 +29,21 @@ order on every rank, so a module's outer gradient goes only to the workers that 
 run on one background thread, in the order they were started (the same on every rank), so a
 reduction overlaps with the inner steps that follow it until ``wait``.
 
-Collective patterns for a group of n holders, a payload of P bytes per trainee (or partial sum), and
-k_j trainees of the module on holder j:
+Collective patterns for a group of n holders, holder j with k_j of the module's trainees (T = Σk), a payload
+of P bytes per trainee (or fp32 partial sum) and p_j bytes for chunk j of it (p_j ≈ P/n):
   allgather       every holder's payloads go to every other holder (an all-gather; an all-to-all with
-                  split sizes when the k_j differ, so nothing is padded): holder j sends (n−1)·k_j·P and
-                  receives (Σk − k_j)·P. bits = 32 sends one partial sum (k_j counts as 1).
-  reduce_scatter  bits = 32 only: the partial sum is cut into n chunks; chunk j of every holder goes to
-                  holder j (all-to-all), which adds them and all-gathers the result; 2(n−1)·P/n per rank.
-                  With fewer bits it would re-quantize partial sums (maths that changes with n): refused.
-``auto`` takes allgather whenever bits < 32 and, at 32 bits, allgather for n = 2 and reduce_scatter
-from n = 3 (fewer bytes). Every holder ends with the same bytes, dequantizes them the same way and
-adds them in the same order: shared modules stay bit-identical on all their holders.
+                  split sizes when the k_j differ, so nothing is padded), each holder adds them and applies
+                  Q_down itself: holder j sends (n−1)·k_j·P and receives (T − k_j)·P. bits = 32 sends one
+                  partial sum (k_j counts as 1).
+  reduce_scatter  bits < 32: chunk j (whole blocks, ``chunk_bounds``) of every trainee's payload goes to holder j
+                  (an all-to-all: several trainees on a worker -> several payloads), which adds its chunk over all
+                  trainees, applies Q_down and all-gathers the result: holder j sends k_j·(P − p_j) + (n−1)·p_j and
+                  receives (T − k_j)·p_j + P − p_j; one trainee per holder: 2(n−1)/n·P each way.
+                  bits = 32: the fp32 partial sum is cut into n chunks instead; 2(n−1)/n·P per rank.
+``auto``: at 32 bits all-gather for n = 2 and reduce-scatter from n = 3; below 32 bits the reduce-scatter, which
+never moves more bytes, except for 2 holders with one trainee each (the same bytes, one collective instead of two).
+The pattern changes bytes, never the result. Every holder ends with the same bytes, dequantizes them the same way
+and adds them in the same order: shared modules stay bit-identical on all their holders.
 """
 
 from __future__ import annotations
@@ -48,7 +55,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from dipaco.errors import DipacoError
 from dipaco.outer import weighted_sum
 from dipaco.quant import dequantize, payload_bytes, quantize
 
@@ -71,6 +77,24 @@ def unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, to
 def round_trip(flat: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     """What a receiver reconstructs from ``flat`` sent at ``bits`` (fp32: the vector itself)."""
     return flat if bits == 32 else dequantize(quantize(flat, bits, block), flat.numel(), bits, block)
+
+
+def reduce_here(flats: dict[int, torch.Tensor], weights: dict[int, float], bits: int, block: int) -> torch.Tensor:
+    """Δ_m where every term is at hand (the world of one, a module with one holder):
+    ``Q_down(Σ_i w_i·deq(Q_up(Δ_i)))`` below 32 bits, the exact weighted sum at 32."""
+    if bits == 32:
+        return weighted_sum(flats, weights)
+    up = {i: round_trip(f, bits, block) for i, f in flats.items()}
+    return round_trip(weighted_sum(up, weights), bits, block)
+
+
+def chunk_bounds(numel: int, n: int, block: int) -> list[tuple[int, int]]:
+    """[start, end) of the n reduce-scatter chunks of a flat vector below 32 bits: holder j owns blocks
+    ⌊jB/n⌋ .. ⌊(j+1)B/n⌋ − 1 of the B blocks counted from index 0, so a chunk is whole blocks (the vector's
+    last, partial block included) and quantizing it is quantizing those blocks of the whole vector."""
+    blocks = -(-numel // block)
+    cuts = [min(numel, (j * blocks // n) * block) for j in range(n + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 class _Done:
@@ -100,8 +124,8 @@ class LocalWorld:
     def start_reduce(self, deltas: dict[str, dict[int, dict[str, torch.Tensor]]], weights: dict[str, dict[int, float]]):
         out = {}
         for m, by_trainee in deltas.items():
-            vectors = {i: round_trip(flatten(d), self.bits, self.block) for i, d in by_trainee.items()}
-            out[m] = unflatten(weighted_sum(vectors, weights[m]), next(iter(by_trainee.values())))
+            flats = {i: flatten(d) for i, d in by_trainee.items()}
+            out[m] = unflatten(reduce_here(flats, weights[m], self.bits, self.block), next(iter(by_trainee.values())))
         return _Done(out)
 
     def gather(self, obj) -> list:
@@ -130,35 +154,35 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
-def pattern_error(bits: int, pattern: str) -> str | None:
-    """Why a (bits, pattern) pair is refused, as a one-line config message; None when it is fine."""
-    if pattern == "reduce_scatter" and bits < 32:
-        return (f"config: comm.pattern='reduce_scatter' re-quantizes partial sums, so with comm.bits={bits} the result "
-                f"would change with the number of workers; use comm.pattern='auto' (or 'allgather'), or comm.bits=32")
-    return None
-
-
-def chosen_pattern(pattern: str, n: int, bits: int) -> str:
+def chosen_pattern(pattern: str, counts: list[int], bits: int) -> str:
+    """The collective for holders with ``counts[j]`` of the module's trainees (see the module docstring)."""
     if pattern != "auto":
         return pattern
-    return "allgather" if bits < 32 or n <= 2 else "reduce_scatter"
+    n = len(counts)
+    if bits == 32:
+        return "allgather" if n <= 2 else "reduce_scatter"
+    # per holder the reduce-scatter sends k_j·(P − p_j) + (n−1)·p_j <= (n−1)·k_j·P, equal only for one trainee on each of 2
+    return "allgather" if n <= 2 and sum(counts) <= 2 else "reduce_scatter"
 
 
 def analytic_bytes(numel: int, counts: list[int], bits: int, block: int, pattern: str = "auto") -> list[tuple[int, int]]:
     """(sent, received) bytes of every holder, in rank order, to reduce one vector of ``numel`` values;
     ``counts[j]`` is the number of the module's trainees on holder j (one holder: nothing moves)."""
-    n = len(counts)
+    n, total = len(counts), sum(counts)
     if n <= 1:
         return [(0, 0)] * n
-    if bits < 32:  # every trainee's own payload to every other holder
-        if pattern_error(bits, pattern):
-            raise ValueError(pattern_error(bits, pattern))
-        p = payload_bytes(numel, bits, block)
-        return [((n - 1) * k * p, (sum(counts) - k) * p) for k in counts]
-    if chosen_pattern(pattern, n, bits) == "allgather":  # one fp32 partial sum per holder
-        p = payload_bytes(numel, bits, block)
-        return [((n - 1) * p, (n - 1) * p)] * n
-    return [(allreduce_bytes(numel, n, bits),) * 2] * n
+    chosen = chosen_pattern(pattern, counts, bits)
+    if bits == 32:  # one fp32 partial sum per holder
+        if chosen == "allgather":
+            p = payload_bytes(numel, bits, block)
+            return [((n - 1) * p, (n - 1) * p)] * n
+        return [(allreduce_bytes(numel, n, bits),) * 2] * n
+    p = payload_bytes(numel, bits, block)
+    if chosen == "allgather":  # every trainee's own payload to every other holder
+        return [((n - 1) * k * p, (total - k) * p) for k in counts]
+    chunks = [payload_bytes(e - s, bits, block) for s, e in chunk_bounds(numel, n, block)]
+    # up: my trainees' other chunks out, the other trainees' chunk of mine in; down: my summed chunk out, the rest in
+    return [(k * (p - c) + (n - 1) * c, (total - k) * c + p - c) for k, c in zip(counts, chunks)]
 
 
 def allreduce_bytes(numel: int, n: int, bits: int) -> int:
@@ -175,8 +199,6 @@ class DistWorld:
                  latency_ms: float = 0.0, device: str = "cpu"):
         import torch.distributed as dist
 
-        if pattern_error(bits, pattern):
-            raise DipacoError(pattern_error(bits, pattern))
         self.dist = dist
         self.bits, self.block, self.pattern = bits, block, pattern
         self.mbit, self.latency = mbit, latency_ms / 1000.0
@@ -244,16 +266,18 @@ class DistWorld:
         """Δ_m as one flat fp32 vector, and the bytes this rank sent and received for it."""
         ranks = self.holders.get(m, (self.rank,))
         flats = {i: flatten(d).to(self.device) for i, d in by_trainee.items()}
+        if len(ranks) == 1:
+            return reduce_here(flats, weights, self.bits, self.block), 0, 0
         if self.bits == 32:  # exact: add this worker's trainees here, then the holders' partial sums
-            partial = weighted_sum(flats, weights)
-            return (partial, 0, 0) if len(ranks) == 1 else self._sum_partials(partial, ranks)
-        payloads = {i: quantize(f, self.bits, self.block) for i, f in flats.items()}
-        sent = received = 0
-        if len(ranks) > 1:
-            payloads, sent, received = self._gather_payloads(m, payloads, ranks)
+            return self._sum_partials(weighted_sum(flats, weights), ranks)
+        counts = [len(self.trainees_on[m][r]) for r in ranks]
+        if chosen_pattern(self.pattern, counts, self.bits) == "reduce_scatter":
+            return self._reduce_scatter_payloads(m, flats, weights, ranks)
         numel = next(iter(flats.values())).numel()
+        payloads = {i: quantize(f, self.bits, self.block) for i, f in flats.items()}
+        payloads, sent, received = self._gather_payloads(m, payloads, ranks)
         vectors = {i: dequantize(p, numel, self.bits, self.block) for i, p in payloads.items()}
-        return weighted_sum(vectors, weights), sent, received
+        return round_trip(weighted_sum(vectors, weights), self.bits, self.block), sent, received
 
     def _gather_payloads(self, m: str, mine: dict[int, torch.Tensor], ranks: tuple[int, ...]):
         """Every trainee's payload of module m on every holder: an all-gather of this rank's payloads, done as
@@ -274,10 +298,50 @@ class DistWorld:
                 offset += size
         return payloads, sum(send), sum(recv)
 
+    def _reduce_scatter_payloads(self, m: str, flats: dict[int, torch.Tensor], weights: dict[int, float],
+                                 ranks: tuple[int, ...]) -> tuple[torch.Tensor, int, int]:
+        """bits < 32: chunk j of every trainee's Δ_i, quantized (Q_up), goes to holder j, which adds its chunk over
+        all trainees in trainee-index order, re-quantizes it (Q_down) and all-gathers it. Both steps are
+        all-to-alls with split sizes: chunks differ in bytes when the blocks do not divide evenly."""
+        bits, block, group = self.bits, self.block, self.groups[ranks]
+        on, me, n = self.trainees_on[m], ranks.index(self.rank), len(ranks)
+        numel = next(iter(flats.values())).numel()
+        bounds = chunk_bounds(numel, n, block)
+        lengths = [e - s for s, e in bounds]
+        sizes = [payload_bytes(k, bits, block) for k in lengths]
+        mine = on[self.rank]
+        # up: per trainee and chunk, so a trainee's values are quantized exactly as its whole vector would be
+        up = [[quantize(flats[i][s:e], bits, block) for i in mine] for s, e in bounds]
+        send = [0 if j == me else len(mine) * sizes[j] for j in range(n)]
+        recv = [0 if j == me else len(on[r]) * sizes[me] for j, r in enumerate(ranks)]
+        outgoing = torch.cat([q for j in range(n) if j != me for q in up[j]])
+        incoming = torch.empty(sum(recv), dtype=torch.uint8, device=outgoing.device)
+        self.dist.all_to_all_single(incoming, outgoing, recv, send, group=group)
+        vectors = {i: dequantize(q, lengths[me], bits, block) for i, q in zip(mine, up[me])}
+        offset = 0
+        for j, r in enumerate(ranks):
+            for i in on[r] if j != me else ():
+                vectors[i] = dequantize(incoming[offset:offset + sizes[me]], lengths[me], bits, block)
+                offset += sizes[me]
+        # down: the summed chunk, quantized once by its owner, to every other holder
+        down = quantize(weighted_sum(vectors, weights), bits, block)
+        send2 = [0 if j == me else sizes[me] for j in range(n)]
+        recv2 = [0 if j == me else sizes[j] for j in range(n)]
+        incoming = torch.empty(sum(recv2), dtype=torch.uint8, device=down.device)
+        self.dist.all_to_all_single(incoming, down.repeat(n - 1), recv2, send2, group=group)
+        pieces, offset = [], 0
+        for j in range(n):
+            if j == me:
+                pieces.append(dequantize(down, lengths[j], bits, block))
+            else:
+                pieces.append(dequantize(incoming[offset:offset + sizes[j]], lengths[j], bits, block))
+                offset += sizes[j]
+        return torch.cat(pieces), sum(send) + sum(send2), sum(recv) + sum(recv2)
+
     def _sum_partials(self, partial: torch.Tensor, ranks: tuple[int, ...]) -> tuple[torch.Tensor, int, int]:
         """fp32 partial sums of the holders, added (bits = 32 only, where any pattern is exact up to reassociation)."""
         dist, group, n = self.dist, self.groups[ranks], len(ranks)
-        if chosen_pattern(self.pattern, n, self.bits) == "allgather":
+        if chosen_pattern(self.pattern, [1] * n, self.bits) == "allgather":
             bufs = [torch.empty_like(partial) for _ in range(n)]
             dist.all_gather(bufs, partial, group=group)
             total = torch.zeros_like(partial)
@@ -300,7 +364,11 @@ class DistWorld:
     def _simulate_link(self, began: float, sent: int, received: int, deltas) -> None:
         if not (self.mbit or self.latency):
             return
-        messages = sum(len(self.holders.get(m, (0,))) - 1 for m in deltas)
+        messages = 0
+        for m in deltas:  # a reduce-scatter talks to every peer twice
+            counts = [len(t) for t in self.trainees_on.get(m, {0: [0]}).values()]
+            steps = 2 if chosen_pattern(self.pattern, counts, self.bits) == "reduce_scatter" else 1
+            messages += steps * (len(counts) - 1)
         target = (max(sent, received) * 8 / (self.mbit * 1e6) if self.mbit else 0.0) + self.latency * messages
         left = target - (time.perf_counter() - began)
         if left > 0:

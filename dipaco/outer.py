@@ -4,7 +4,7 @@ Outer gradient of module m from trainee i: ``Δ_i = θ_m(global) − θ_m(traine
 Module average: ``Δ_m = Σ_i w_i Δ_i`` over the trainees whose path contains m, with ``w_i`` proportional
 to the trainee's shard size and summing to 1 over those trainees (DiPaCo Eq. 2-3); optionally
 rescaled by ``sqrt(#paths through m)`` (DiPaCo §2.7). Everything here is fp32. With a quantized
-transport (``comm.bits`` < 32) each Δ_i is quantized on its own and the sum is ``Σ_i w_i deq(Q(Δ_i))``
+transport (``comm.bits`` < 32) the module's gradient is ``Q_down(Σ_i w_i deq(Q_up(Δ_i)))`` on every layout
 (``dipaco.comm``); ``weighted_sum`` is the one place where the terms are added.
 """
 
@@ -38,11 +38,14 @@ def outer_gradient(global_tensors: dict[str, torch.Tensor], local_tensors: dict[
 def weighted_sum(vectors: dict[int, torch.Tensor], weights: dict[int, float]) -> torch.Tensor:
     """Σ_i w_i·v_i in fp32, added in trainee-index order (``vectors``: trainee -> tensor, all one shape).
     Every world reduces through this one function, so the same contributions give the same bits
-    whichever worker holds which trainee."""
+    whichever worker holds which trainee, and a reduce-scatter chunk sums to the same bits as that slice of
+    the whole vector."""
     order = sorted(vectors)
     total = torch.zeros_like(vectors[order[0]], dtype=torch.float32)
     for i in order:
-        total.add_(vectors[i], alpha=weights[i])
+        # multiply, then add: two correctly rounded element-wise ops. add_(alpha=w) may fuse them (FMA) in the
+        # vectorized body of a CPU kernel and not in its scalar tail, so the bits could depend on slice lengths.
+        total.add_(vectors[i] * weights[i])
     return total
 
 

@@ -5,6 +5,8 @@ A flat fp32 vector is cut into blocks of ``block`` values; each block stores ``s
 underflow) and ``q = round(x / scale)`` in [−qmax, qmax] (4 bits: qmax 7, two values per byte;
 8 bits: qmax 127). Round-trip error per value is at most ``scale / 2`` ≤ 1.011 · absmax(block) / (2·qmax),
 i.e. ≈ absmax / 14 in 4 bits. ``bits = 16`` sends bf16, ``bits = 32`` sends fp32 unchanged.
+Blocks are independent: quantizing a slice that starts and ends on block boundaries (the vector's end counts
+as one) gives exactly the bytes of those blocks in the whole vector (the reduce-scatter relies on it).
 Dequantized values are fp32; sums are taken in fp32. Rounding is deterministic, so every receiver
 of the same bytes reconstructs the same values (shared modules stay bit-identical on all holders).
 """
@@ -57,7 +59,8 @@ def dequantize(payload: torch.Tensor, numel: int, bits: int, block: int) -> torc
         return payload.view(torch.bfloat16)[:numel].float()
     blocks = -(-numel // block)
     nvalues = blocks * block * bits // 8
-    values, scale = payload[:nvalues], payload[nvalues:].view(torch.bfloat16).float()
+    # clone: a payload sliced out of a received buffer may start at an odd byte, and a bf16 view needs an even one
+    values, scale = payload[:nvalues], payload[nvalues:].clone().view(torch.bfloat16).float()
     if bits == 4:
         q = torch.empty(blocks * block, dtype=torch.float32, device=payload.device)
         q[0::2] = (values & 0xF).float() - 8

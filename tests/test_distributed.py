@@ -16,6 +16,7 @@ from dipaco.cli import main
 from dipaco.comm import LocalWorld, analytic_bytes, make_world
 from dipaco.errors import DipacoError
 from dipaco.launch import torchrun_command
+from dipaco.quant import payload_bytes
 from dipaco.run import Run
 from dipaco.train import assign, train
 
@@ -116,20 +117,30 @@ def test_three_workers_match_the_world_of_one(shards_2x2, one_fp32, tmp_path):
 
 
 def test_four_bits_is_the_same_maths_on_one_two_and_three_workers(shards_2x2, one_fp32, tmp_path):
-    """--bits 4 quantizes every trainee's outer gradient once, whatever the layout: the world of one, 2 workers
-    (2 trainees each) and 3 workers (2, 1, 1 trainees) end with the same weights, and not with fp32's."""
+    """--bits 4 is Q_down(Σ w_i·deq(Q_up(Δ_i))) whatever the layout: the world of one, 2 workers (2 trainees each:
+    reduce-scatter for the shared modules, all-gather for pairs), 3 workers (2, 1, 1 trainees: a 3-holder
+    reduce-scatter) and 4 workers (one trainee each: a 4-holder reduce-scatter) end with the same weights, and not
+    with fp32's. With 4 holders of one trainee each a holder sends 2(n−1)/n·P per sync, not the all-gather's (n−1)·P."""
     one = tmp_path / "one4"
     train(tiny_train_config("val_batches=0", "comm.bits=4", rounds=ROUNDS, inner_steps=H), shards_2x2, one,
           progress=False)
     a = checkpoint.load_modules(one, ROUNDS)
-    for workers in (2, 3):
+    for workers in (2, 3, 4):
         run = tmp_path / f"w{workers}"
         _run_workers(shards_2x2, run, workers, "comm.bits=4")
         b = checkpoint.load_modules(run, ROUNDS)
         worst = max((a[m][n] - b[m][n]).abs().max().item() for m in a for n in a[m])
         print(f"--bits 4: world of one vs {workers} workers, max weight difference {worst:.3g}")
         assert worst <= 1e-4, worst
-        _assert_holders_identical_and_alone(run, _numels(run), 4, ROUNDS)
+        holders = _assert_holders_identical_and_alone(run, _numels(run), 4, ROUNDS)
+        if workers == 4:
+            assert holders["embed"] == [0, 1, 2, 3]
+            (numel,) = _numels(run)("embed")
+            sent = _reports(run)[0]["module_bytes"]["embed"][0] / ROUNDS
+            p, allgather = payload_bytes(numel, 4, 128), analytic_bytes(numel, [1] * 4, 4, 128, "allgather")[0][0]
+            print(f"4 holders, 4 bits, embed: {sent:.0f} bytes sent per holder per sync = {sent / p:.4f} P "
+                  f"(all-gather: {allgather / p:.0f} P)")
+            assert abs(sent - 1.5 * p) <= 2 * 128 and allgather == 3 * p
     fp32 = checkpoint.load_modules(one_fp32, ROUNDS)
     gap = max((a[m][n] - fp32[m][n]).abs().max().item() for m in a for n in a[m])
     print(f"world of one, --bits 4 vs --bits 32: max weight difference {gap:.3g}")
