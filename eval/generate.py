@@ -68,10 +68,11 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = 64, temperature: 
     eos = rr.run.info["eos_token_id"]
     window = rr.window_router(route_every) if route_every else None
     reroute, span = (window, route_every) if window is not None else (rr.router, rr.router.input.tokens) if route_every else (None, 0)
-    models, segments, context = {}, [], ids
+    models, segments, context, first = {}, [], ids, chosen
     while len(new := context[0, ids.shape[1]:].tolist()) < max_new_tokens and (not new or new[-1] != eos):
         if segments:  # the tokens just before the next segment choose its path
-            chosen = reroute.route_ids([context[0, -span:].tolist()])[0]
+            recent = [context[0, -span:].tolist()]
+            chosen = window.route_windows(recent, [first])[0] if window is not None else reroute.route_ids(recent)[0]
         if chosen not in models:
             models[chosen] = rr.path_model(chosen, round).model
         n = min(route_every or max_new_tokens, max_new_tokens - len(new))

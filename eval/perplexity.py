@@ -201,17 +201,21 @@ def every_w_segments(router: BaseRouter, window_router: BaseRouter | None, ids: 
                      r: int) -> list[list[Segment]]:
     """Chunk 0 (the first W targets after the context) takes the document's path (the shard router on its
     prefix); chunk k >= 1 takes the path chosen from the tokens just before it: the window router on the
-    previous W tokens, or without one the shard router on the previous ``router.input.tokens`` tokens."""
+    previous W tokens and the document's path, or without one the shard router on the previous
+    ``router.input.tokens`` tokens."""
     if w < 1:
         raise DipacoError(f"--route-every {w} is not valid; give a window of at least 1 token")
     lo0 = max(1, context)
     cuts = [[(lo, min(lo + w, len(x))) for lo in range(lo0, len(x), w)] for x in ids]
     first = router.route_ids(ids)
-    later_router = window_router or router
     span = w if window_router is not None else router.input.tokens
     # one entry per chunk after the first, document by document: a document without chunks adds nothing
     later = [x[max(0, lo - span):lo] for x, cs in zip(ids, cuts) for lo, _ in cs[1:]]
-    later_paths = iter(later_router.route_ids(later) if later else [])
+    if window_router is not None:
+        on = [first[d] for d, cs in enumerate(cuts) for _ in cs[1:]]
+        later_paths = iter(window_router.route_windows(later, on))
+    else:
+        later_paths = iter(router.route_ids(later))
     return [[(lo, hi, [(first[d] if k == 0 else next(later_paths), r, 1.0)]) for k, (lo, hi) in enumerate(cs)]
             for d, cs in enumerate(cuts)]
 

@@ -75,7 +75,8 @@ class DiscriminativeRouter(BaseRouter):
             raise DipacoError(f"discriminative router in {directory} is incomplete or damaged ({exc}); "
                               f"re-run `dipaco reshard`") from None
         info = {k: v for k, v in spec.items() if k not in ("kind", "grid", "features", "input")}
-        return cls(load_features(directory / "features"), shape, coef, intercept, PrefixInput.load(directory / "input"), info)
+        return DiscriminativeRouter(load_features(directory / "features"), shape, coef, intercept,
+                                    PrefixInput.load(directory / "input"), info)
 
 
 def match_bias(logits: np.ndarray, target: np.ndarray, iters: int = 500, tol: float = 1e-4) -> np.ndarray:
@@ -95,17 +96,13 @@ def match_bias(logits: np.ndarray, target: np.ndarray, iters: int = 500, tol: fl
     return b - b.mean()
 
 
-def fit_discriminative(features, x: np.ndarray, labels: np.ndarray, shape: tuple[int, ...], target: np.ndarray,
-                       input: PrefixInput, seed: int = 0, C: float = 1.0) -> DiscriminativeRouter:
-    """Multinomial logistic regression on (x, labels: path indices), intercept shifted to ``target`` shares."""
+def _multinomial(x: np.ndarray, labels: np.ndarray, P: int, seed: int, C: float) -> tuple[np.ndarray, np.ndarray, int]:
+    """(coef (P, d), intercept (P,), classes seen) of a multinomial logistic regression; paths no example
+    preferred start far below the others (a bias lifts them to their target share)."""
     from sklearn.linear_model import LogisticRegression
 
-    P = int(np.prod(shape))
-    x = np.asarray(x, dtype=np.float64)
-    labels = np.asarray(labels, dtype=np.int64)
     present = np.unique(labels)
-    coef = np.zeros((P, x.shape[1]))
-    intercept = np.zeros(P)
+    coef, intercept = np.zeros((P, x.shape[1])), np.zeros(P)
     if len(present) >= 2:
         clf = LogisticRegression(C=C, max_iter=2000, random_state=seed)
         with warnings.catch_warnings():
@@ -117,9 +114,72 @@ def fit_discriminative(features, x: np.ndarray, labels: np.ndarray, shape: tuple
         else:
             coef[present], intercept[present] = clf.coef_, clf.intercept_
     absent = np.setdiff1d(np.arange(P), present)
-    if len(absent):  # paths that no router document preferred start far below, the bias lifts them to target
+    if len(absent):
         intercept[absent] = intercept[present].min() - 5.0
+    return coef, intercept, len(present)
+
+
+def fit_discriminative(features, x: np.ndarray, labels: np.ndarray, shape: tuple[int, ...], target: np.ndarray,
+                       input: PrefixInput, seed: int = 0, C: float = 1.0) -> DiscriminativeRouter:
+    """Multinomial logistic regression on (x, labels: path indices), intercept shifted to ``target`` shares."""
+    P = int(np.prod(shape))
+    x, labels = np.asarray(x, dtype=np.float64), np.asarray(labels, dtype=np.int64)
+    coef, intercept, seen = _multinomial(x, labels, P, seed, C)
     bias = match_bias(x @ coef.T + intercept, target)
-    info = {"classes_seen": int(len(present)), "fit_documents": int(len(labels)), "C": C,
+    info = {"classes_seen": seen, "fit_documents": int(len(labels)), "C": C,
             "target": [round(float(t), 6) for t in np.asarray(target) / np.sum(target)]}
     return DiscriminativeRouter(features, shape, coef, intercept + bias, input, info)
+
+
+class WindowRouter(DiscriminativeRouter):
+    """The router of every-W routing: a multinomial logistic regression on the features of the previous W
+    tokens *and* the document's path (one-hot), so that it can learn when leaving the document's path pays.
+    (On the shared corpus, a router on the window alone chose worse than staying on the document's path;
+    see ``dipaco.eval.window_router``.) ``route_windows(windows, document_paths)`` routes."""
+
+    kind = "window"
+
+    def __init__(self, features, shape, coef, intercept, input: PrefixInput, anchor_coef: np.ndarray, info: dict | None = None):
+        super().__init__(features, shape, coef, intercept, input, info)
+        self.anchor_coef = np.asarray(anchor_coef, dtype=np.float32)  # (P, P): logit of path p when the document is on q
+
+    def window_logits(self, x: np.ndarray, anchors: np.ndarray) -> np.ndarray:
+        return self.logits(x) + self.anchor_coef[:, np.asarray(anchors, dtype=np.int64)].T
+
+    def route_windows(self, windows, document_paths: list[str]) -> list[str]:
+        """The path of every window (token ids, the router reads the first ``input.tokens``), given the path of
+        its document."""
+        if not len(windows):
+            return []
+        paths = self.paths
+        x = self.features.transform(self.input.texts_of_ids(windows))
+        anchors = [paths.index(p) for p in document_paths]
+        return [paths[j] for j in self.window_logits(x, anchors).argmax(axis=1).tolist()]
+
+    def save(self, directory: str | Path) -> None:
+        super().save(directory)
+        np.save(Path(directory) / "anchor_coef.npy", self.anchor_coef)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "WindowRouter":
+        base = DiscriminativeRouter.load(directory)
+        try:
+            anchor = np.load(Path(directory) / "anchor_coef.npy", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise DipacoError(f"window router in {directory} is incomplete or damaged ({exc}); "
+                              f"re-run `dipaco fit-window-router`") from None
+        return cls(base.features, base.shape, base.coef, base.intercept, base.input, anchor, base.info)
+
+
+def fit_window(features, x: np.ndarray, anchors: np.ndarray, labels: np.ndarray, shape: tuple[int, ...],
+               target: np.ndarray, input: PrefixInput, seed: int = 0, C: float = 1.0) -> WindowRouter:
+    """Logistic regression on [features of the window, one-hot of the document's path] -> lowest-loss path,
+    intercept shifted to ``target`` shares."""
+    P = int(np.prod(shape))
+    x, labels, anchors = np.asarray(x, dtype=np.float64), np.asarray(labels, dtype=np.int64), np.asarray(anchors, dtype=np.int64)
+    coef, intercept, seen = _multinomial(np.hstack([x, np.eye(P)[anchors]]), labels, P, seed, C)
+    coef, anchor_coef = coef[:, : x.shape[1]], coef[:, x.shape[1]:]
+    bias = match_bias(x @ coef.T + anchor_coef[:, anchors].T + intercept, target)
+    info = {"classes_seen": seen, "fit_windows": int(len(labels)), "C": C,
+            "target": [round(float(t), 6) for t in np.asarray(target) / np.sum(target)]}
+    return WindowRouter(features, shape, coef, intercept + bias, input, anchor_coef, info)

@@ -202,10 +202,10 @@ class Router(BaseRouter):
         except json.JSONDecodeError as exc:
             raise DipacoError(f"{spec_file} is not valid JSON ({exc}); re-run `dipaco shard`") from None
         kind = spec.get("kind", "kmeans")
-        if kind == "discriminative":
-            from dipaco.routing.discriminative import DiscriminativeRouter
+        if kind in ("discriminative", "window"):
+            from dipaco.routing.discriminative import DiscriminativeRouter, WindowRouter
 
-            return DiscriminativeRouter.load(directory)
+            return (WindowRouter if kind == "window" else DiscriminativeRouter).load(directory)
         if kind == "random":
             return HashRouter(parse_grid(spec["grid"]), PrefixInput.load(directory / "input"), int(spec["seed"]))
         if kind != "kmeans":

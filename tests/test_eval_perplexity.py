@@ -71,6 +71,10 @@ class _Recorder:
         self.seen += [list(x) for x in ids]
         return [self.paths[sum(x[: self.input.tokens]) % len(self.paths)] for x in ids]
 
+    def route_windows(self, ids, document_paths):  # the window router also gets the document's path
+        self.documents = list(document_paths)
+        return self.route_ids(ids)
+
 
 def test_route_every_w_uses_previous_window_and_full_context(run_dir, shards_2x2, report):
     run, shards = Run(run_dir), ShardSet(shards_2x2)
@@ -88,6 +92,7 @@ def test_route_every_w_uses_previous_window_and_full_context(run_dir, shards_2x2
     # router on exactly the 16 tokens before it
     assert segs[1][0][2][0][0] == shard_rec.route_ids([long_doc])[0]
     assert window_rec.seen == [long_doc[lo - 16:lo] for lo, _ in cuts[1:]]
+    assert window_rec.documents == [segs[1][0][2][0][0]] * (len(cuts) - 1)
     assert [s[2][0][0] for s in segs[1][1:]] == window_rec.route_ids([long_doc[lo - 16:lo] for lo, _ in cuts[1:]])
     # without a window router the shard router reads the 32 tokens before each chunk
     shard_only = _Recorder(run.grid.paths, 32)

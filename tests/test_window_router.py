@@ -43,10 +43,10 @@ def test_fit_window_router_cli(fitted, capsys):
     folder = run / "window_routers" / f"w{W}"
     router = Router.load(folder)
     info = json.loads((folder / "router.json").read_text())
-    assert router.kind == "discriminative" and router.input.tokens == W and router.paths == Router.load(shards / "router").paths
+    assert router.kind == "window" and router.input.tokens == W and router.anchor_coef.shape == (4, 4) and router.paths == Router.load(shards / "router").paths
     assert info["window"] == W and info["examples"] > info["test_examples"] > 0
     # the labels are the lowest-loss paths: the oracle loss bounds every rule, and routing rules are accuracies
-    assert info["loss_oracle"] <= min(info["loss_window_router"], info["loss_document_path"],
+    assert info["loss_oracle"] <= min(info["loss_window_router"], info["loss_document_path"], info["loss_window_alone"],
                                       info["loss_shard_router_previous_tokens"])
     assert 0 <= info["accuracy"] <= 1 and 0 <= info["accuracy_document_path"] <= 1
     # refitting needs --overwrite; a dense run or a bad window is refused
