@@ -83,17 +83,17 @@ class ShardSet:
         return np.fromfile(self.root / "paths" / path / f"{split}.idx", dtype=np.int64)
 
     def heldout(self) -> list[dict]:
-        f = self.root / "heldout" / "docs.jsonl"
-        if not f.is_file():
-            raise DipacoError(f"{f} is missing; re-run `dipaco shard` to write held-out documents")
-        with open(f, encoding="utf-8") as fh:
-            return [json.loads(line) for line in fh if line.strip()]
+        """Whole held-out documents {"text", "label", "path"} (the test set of routed evaluation)."""
+        return self._documents("heldout", "re-run `dipaco shard` to write held-out documents")
 
     def router_docs(self) -> list[dict]:
         """The held-aside router documents (never trained on): discriminative and window routers fit on them."""
-        f = self.root / "router_docs" / "docs.jsonl"
+        return self._documents("router_docs", "re-shard with data.router_fraction > 0 to keep router documents")
+
+    def _documents(self, folder: str, fix: str) -> list[dict]:
+        f = self.root / folder / "docs.jsonl"
         if not f.is_file():
-            raise DipacoError(f"{f} is missing; re-shard with data.router_fraction > 0 to keep router documents")
+            raise DipacoError(f"{f} is missing; {fix}")
         with open(f, encoding="utf-8") as fh:
             return [json.loads(line) for line in fh if line.strip()]
 
