@@ -16,7 +16,7 @@ def texts(corpus_file):
 
 
 def test_fit_save_load_route_round_trip(texts, tmp_path, tok):
-    router = fit_router(texts, "4", tok, svd_dims=16, seed=0)
+    router = fit_router(texts, "4", tok, cluster_on="prefix", svd_dims=16, seed=0)
     routes = router.route(texts)
     assert set(routes) <= {"0", "1", "2", "3"} and len(set(routes)) > 1
     router.save(tmp_path / "router")
@@ -26,13 +26,13 @@ def test_fit_save_load_route_round_trip(texts, tmp_path, tok):
 
 
 def test_deterministic_under_a_seed(texts, tok):
-    a = fit_router(texts, "2x2", tok, svd_dims=16, seed=3).route(texts)
-    b = fit_router(texts, "2x2", tok, svd_dims=16, seed=3).route(texts)
+    a = fit_router(texts, "2x2", tok, cluster_on="prefix", svd_dims=16, seed=3).route(texts)
+    b = fit_router(texts, "2x2", tok, cluster_on="prefix", svd_dims=16, seed=3).route(texts)
     assert a == b
 
 
 def test_product_kmeans_path_ids_are_tuples_of_level_centroids(texts, tok):
-    router = fit_router(texts, "2x3", tok, svd_dims=16, seed=0)
+    router = fit_router(texts, "2x3", tok, cluster_on="prefix", svd_dims=16, seed=0)
     assert router.paths == [f"{i}-{j}" for i in range(2) for j in range(3)]
     x = router.features.transform(router.input.texts(texts[:50]))  # the router reads the decoded first 32 tokens
     d0, d1 = router.level_distances(x)
@@ -62,7 +62,7 @@ def test_balanced_assignment_caps_every_cluster():
 
 
 def test_bad_router_input(texts, tmp_path, tok):
-    router = fit_router(texts, "2", tok, svd_dims=8)
+    router = fit_router(texts, "2", tok, cluster_on="prefix", svd_dims=8)
     with pytest.raises(DipacoError, match="list of texts"):
         router.route("one string")
     with pytest.raises(DipacoError, match="needs strings"):

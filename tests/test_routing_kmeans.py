@@ -1,4 +1,5 @@
-"""Flat, product, spherical, balanced and overlapping k-means routing, in memory and in the shard stage."""
+"""Flat, product, spherical, balanced and overlapping k-means routing (cluster_on=prefix: the k-means router itself),
+in memory and in the shard stage."""
 
 import collections
 import json
@@ -20,17 +21,17 @@ def texts(corpus_file):
 
 
 def test_flat_and_product_routes_are_nearest_paths(texts, tok):
-    flat = fit_router(texts, "4", tok, svd_dims=16)
+    flat = fit_router(texts, "4", tok, cluster_on="prefix", svd_dims=16)
     assert flat.paths == ["0", "1", "2", "3"]
     d = flat.path_distances(flat.features.transform(flat.input.texts(texts)))
     assert flat.route(texts) == [flat.paths[j] for j in d.argmin(1)]
-    product = fit_router(texts, "2x2", tok, svd_dims=16, product_split="contiguous")
+    product = fit_router(texts, "2x2", tok, cluster_on="prefix", svd_dims=16, product_split="contiguous")
     assert [len(x) for x in product.dims] == [8, 8]
     assert len(set(product.route(texts))) >= 3
 
 
 def test_spherical_centroids_are_unit_vectors(texts, tmp_path, tok):
-    router = fit_router(texts, "3", tok, svd_dims=16, spherical=True)
+    router = fit_router(texts, "3", tok, cluster_on="prefix", svd_dims=16, spherical=True)
     assert np.allclose(np.linalg.norm(router.centroids[0], axis=1), 1.0, atol=1e-4)
     router.save(tmp_path / "r")
     loaded = Router.load(tmp_path / "r")
@@ -47,8 +48,8 @@ def test_calibrated_bias_caps_the_sample():
 
 
 def test_balanced_router_keeps_paths_near_the_mean(texts, tmp_path, tok):
-    plain = collections.Counter(fit_router(texts, "4", tok, svd_dims=16).route(texts))
-    balanced_router = fit_router(texts, "4", tok, svd_dims=16, balance=1.1)
+    plain = collections.Counter(fit_router(texts, "4", tok, cluster_on="prefix", svd_dims=16).route(texts))
+    balanced_router = fit_router(texts, "4", tok, cluster_on="prefix", svd_dims=16, balance=1.1)
     balanced = collections.Counter(balanced_router.route(texts))
     assert max(balanced.values()) <= max(plain.values())
     assert max(balanced.values()) <= 1.25 * len(texts) / 4  # the offsets generalise from the fit sample
@@ -60,7 +61,7 @@ def test_balanced_router_keeps_paths_near_the_mean(texts, tmp_path, tok):
 
 
 def test_overlap_in_memory(texts, tok):
-    router = fit_router(texts, "2x2", tok, svd_dims=16)
+    router = fit_router(texts, "2x2", tok, cluster_on="prefix", svd_dims=16)
     lists = router.assign(texts[:30], overlap=2)
     assert all(len(l) == 2 and l[0] != l[1] for l in lists)
     assert [l[0] for l in lists] == router.route(texts[:30])
