@@ -23,6 +23,7 @@ from dipaco.config import RoutingConfig, apply_dict
 from dipaco.grid import parse_grid
 from dipaco.routing.discriminative import fit_discriminative
 from dipaco.routing.features import TfidfFeatures, make_features
+from dipaco.routing.kmeans import calibrate_bias
 from dipaco.routing.prefix import PrefixInput
 from dipaco.routing.router import BaseRouter, HashRouter, Router, _check_texts
 
@@ -61,6 +62,8 @@ def fit_router(texts: list[str], grid: str, tokenizer, seed: int = 0, progress: 
     labels = target.path_distances(xd).argmin(axis=1)
     shares = np.bincount(labels, minlength=len(target.paths)).astype(np.float64) + 1.0
     router = fit_discriminative(feats, x, labels, shape, shares, prefix, seed)
+    if r.balance > 0:  # the classifier's argmax must respect the cap too, or the shard stage spills documents
+        router.intercept -= calibrate_bias(router.path_distances(x), r.balance)
     agree = float((router.path_distances(x).argmin(axis=1) == labels).mean())
     router.info.update({"target": "document k-means", "target_chars": r.prefix_chars,
                         "target_agreement_on_fit_sample": round(agree, 4)})

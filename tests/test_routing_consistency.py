@@ -77,6 +77,7 @@ def test_document_clusters_learned_from_the_prefix(corpus_file, shards_2x2, tmp_
     assert router["kind"] == "discriminative" and router["target"] == "document k-means"
     assert 0.5 < router["target_agreement_on_fit_sample"] <= 1.0
     assert m["route_agreement"]["heldout"] == 1.0  # the classifier that sharded is the one that answers
+    assert m["route_agreement"]["train"] >= 0.97  # its offsets keep the --balance cap: hardly a document spills
     assert min(p["train_docs"] for p in m["paths"].values()) > 0
 
 
