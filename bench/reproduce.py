@@ -394,7 +394,8 @@ class Corpus:
                         after=[f"{n}:eval-{x.name}" for x in self.specs() if x.name.startswith(("dipaco", "stream"))]))
         jobs.append(Job(f"{n}:eval-start", [sys.executable, str(Path(__file__).resolve()), "_eval", json.dumps(
             {"label": "pretrained start", "run": str(start), "shards": str(self.shard_dirs["2x2"]),
-             "items": [{"round": s.pretrain_rounds, "out": str(self.evals / "start.json")}]})], after=names("start")))
+             "items": [{"round": s.pretrain_rounds, "out": str(self.evals / "start.json")}]})], after=names("start"),
+                        weight=UNBLOCKS))
         return [j for j in jobs if not self._done(j)]
 
     def eval_jobs(self, name: str, label: str, shards: str, items: list[dict], after: list[str]) -> list[Job]:
