@@ -20,6 +20,11 @@ TINY_TRAIN = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_h
               "model.max_seq_len=64", "inner.batch_size=4", "inner.warmup_steps=5", "val_batches=1", "log_every=5"]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--rewrite-golden", action="store_true",
+                     help="tests/test_golden.py: rerun the golden runs and rewrite tests/golden/golden.json")
+
+
 def tiny_train_config(*extra: str, rounds: int = 2, inner_steps: int = 10) -> TrainConfig:
     return resolve(TrainConfig, overrides=TINY_TRAIN + list(extra), flags={"rounds": rounds, "inner_steps": inner_steps})
 
