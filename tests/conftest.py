@@ -1,4 +1,10 @@
-"""Shared fixtures: a small real corpus (text that ships with Python and the OS) and tiny shards."""
+"""Shared fixtures: a small real corpus (text that ships with Python and the OS) and tiny shards; the test tiers.
+
+Two tiers: unit tests (pure code and fakes, well under a minute: `pytest -m "not slow"`) and integration tests
+marked `@pytest.mark.slow` (real shards and runs, gloo, torchrun, subprocesses, end to end). A test that asks
+for the real corpus or its shards (`corpus_file`, `shards_2x2`, `tok`, directly or through another fixture)
+is an integration test by definition: it is marked slow here even where its file forgot to.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,15 @@ from dipaco.config import ShardConfig, TrainConfig, resolve
 SHARED_CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus"
 TINY_TRAIN = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_heads=2", "model.num_kv_heads=2",
               "model.max_seq_len=64", "inner.batch_size=4", "inner.warmup_steps=5", "val_batches=1", "log_every=5"]
+
+
+_REAL_DATA = {"corpus_file", "shards_2x2", "tok"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _REAL_DATA & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_addoption(parser):

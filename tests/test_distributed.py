@@ -15,7 +15,7 @@ from dipaco import checkpoint
 from dipaco.cli import main
 from dipaco.comm import LocalWorld, analytic_bytes, make_world
 from dipaco.errors import DipacoError
-from dipaco.launch import torchrun_command
+from dipaco.launch import free_port, torchrun_command
 from dipaco.quant import payload_bytes
 from dipaco.run import Run
 from dipaco.train import assign, train
@@ -28,8 +28,9 @@ STREAMING = ["streaming.fragments=2", "streaming.overlap=1", "streaming.alpha=0.
 
 
 def _worker_args(shards, out, workers, rounds, *sets):
+    """`dipaco train` arguments; ``workers=None``: none of its own (a torchrun started elsewhere)."""
     args = ["train", "--shards", str(shards), "--out", str(out), "--quiet", "--rounds", str(rounds),
-            "--inner-steps", str(H), "--workers", str(workers)]
+            "--inner-steps", str(H)] + (["--workers", str(workers)] if workers else [])
     for kv in [*TINY_TRAIN, "val_batches=0", *sets]:
         args += ["--set", kv]
     return args
@@ -101,6 +102,7 @@ def one_fp32(shards_2x2, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_three_workers_match_the_world_of_one(shards_2x2, one_fp32, tmp_path):
     one = one_fp32
     three = tmp_path / "three"
@@ -116,6 +118,7 @@ def test_three_workers_match_the_world_of_one(shards_2x2, one_fp32, tmp_path):
     assert json.loads((three / "run.json").read_text())["workers"] == 3
 
 
+@pytest.mark.slow
 def test_four_bits_is_the_same_maths_on_one_two_and_three_workers(shards_2x2, one_fp32, tmp_path):
     """--bits 4 is Q_down(Σ w_i·deq(Q_up(Δ_i))) whatever the layout: the world of one, 2 workers (2 trainees each:
     reduce-scatter for the shared modules, all-gather for pairs), 3 workers (2, 1, 1 trainees: a 3-holder
@@ -147,6 +150,7 @@ def test_four_bits_is_the_same_maths_on_one_two_and_three_workers(shards_2x2, on
     assert gap > 5e-4, gap  # 5x the tolerance above: the world of one does not skip the 4-bit transport
 
 
+@pytest.mark.slow
 def test_two_workers_streaming_match_the_world_of_one(shards_2x2, two_streaming, tmp_path):
     one = tmp_path / "one"
     train(tiny_train_config("val_batches=0", *STREAMING, rounds=STREAM_ROUNDS, inner_steps=H), shards_2x2, one,
@@ -167,6 +171,7 @@ def test_worker_plan_and_errors(monkeypatch):
     assert "--nproc-per-node" in cmd and "127.0.0.1:12345" in cmd and cmd[-3:] == ["train", "--out", "x"]
 
 
+@pytest.mark.slow
 def test_init_from_a_dense_run(shards_2x2, tmp_path):
     dense = tmp_path / "dense"
     train(tiny_train_config("val_batches=0", 'grid.shape="1"', rounds=1, inner_steps=2), shards_2x2, dense, progress=False)
@@ -182,6 +187,41 @@ def test_init_from_a_dense_run(shards_2x2, tmp_path):
     with pytest.raises(DipacoError, match="neither a dipaco run"):
         train(tiny_train_config(f'init_from="{tmp_path}"', rounds=1, inner_steps=2), shards_2x2, tmp_path / "y",
               progress=False)
+
+
+@pytest.mark.slow
+def test_two_nodes_equal_one_node(shards_2x2, two_streaming, tmp_path):
+    """The multi-node path: two torchrun agents (`--nnodes 2`, `--node-rank 0` and `1`, one worker each, a static
+    rendezvous on 127.0.0.1) run the same job as `dipaco train --workers 2` on one node (Streaming DiLoCo) and end
+    with the same weights bit for bit, the same losses and the same per-rank reports."""
+    run, port = tmp_path / "two_nodes", free_port()
+    argv = _worker_args(shards_2x2, run, None, STREAM_ROUNDS, *STREAMING)
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                "--local-addr", "127.0.0.1", "-m", "dipaco.cli", *argv],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}) for n in (0, 1)]
+    try:
+        outputs = [a.communicate(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)  # never leave a hung agent behind
+                a.wait()
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(err[-2000:] for _, err in outputs)
+    a, b = checkpoint.load_modules(two_streaming, STREAM_ROUNDS), checkpoint.load_modules(run, STREAM_ROUNDS)
+    assert a.keys() == b.keys()
+    for m in a:
+        for n in a[m]:
+            assert torch.equal(a[m][n], b[m][n]), (m, n)
+
+    def rounds(out):
+        lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        return [(l["round"], l["workers"], l["train_loss_by_trainee"], l["bytes_sent"]) for l in lines
+                if l["kind"] == "round"]
+    assert rounds(run) == rounds(two_streaming)
+    assert [(r["rank"], r["trainees"], r["modules"]) for r in _reports(run)] == \
+        [(r["rank"], r["trainees"], r["modules"]) for r in _reports(two_streaming)]
 
 
 # ------------------------------------------------------------------------- torchrun restart
@@ -214,6 +254,7 @@ def _latest(run) -> int:
         return 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker processes through /proc")
 def test_torchrun_restart_after_sigkill_resumes_bit_identically(shards_2x2, two_streaming, tmp_path):
     """`dipaco train --workers 2 --max-restarts 1`: SIGKILL rank 0 (the checkpoint writer) in the middle of

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from dipaco import checkpoint
@@ -22,6 +23,7 @@ def _cli_train_args(shards, out, *extra):
     return ["train", "--shards", str(shards), "--out", str(out), "--quiet", *sets, *extra]
 
 
+@pytest.mark.slow
 def test_shard_train_eval_beats_untrained(shards_2x2, tmp_path):
     run = tmp_path / "dipaco"
     assert main(_cli_train_args(shards_2x2, run, "--rounds", "3", "--inner-steps", "15")) == 0
@@ -47,14 +49,11 @@ def test_shard_train_eval_beats_untrained(shards_2x2, tmp_path):
     assert trained["perplexity"] < 0.5 * untrained["perplexity"]
 
 
-def test_prefix_is_not_scored(shards_2x2, tmp_path):
+def test_prefix_is_not_scored():
+    from dipaco.model import llama_config, new_model
     from dipaco.scoring import document_nll
 
-    model = torch.nn.Module()
-    cfg = tiny_train_config()
-    from dipaco.model import llama_config, new_model
-
-    model = new_model(llama_config(cfg.model, 512, 0), seed=0)
+    model = new_model(llama_config(tiny_train_config().model, 512, 0), seed=0)
     docs = [list(range(1, 101)), list(range(1, 33)), list(range(1, 34))]
     scores = document_nll(model, docs, context=32, seq_len=16, batch_size=3)
     assert [n for _, n in scores] == [100 - 32, 0, 1]
@@ -63,6 +62,7 @@ def test_prefix_is_not_scored(shards_2x2, tmp_path):
     assert whole[0][1] == 68
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical(shards_2x2, tmp_path):
     """A 2-round run stopped after round 1 and resumed ends as the straight run, bit for bit. (Extending a
     finished 1-round run to 2 rounds is not the same run: its lr schedule stays the 1-round one, see
@@ -81,6 +81,7 @@ def test_resume_is_bit_identical(shards_2x2, tmp_path):
             assert torch.equal(a[m][n], b[m][n]), (m, n)
 
 
+@pytest.mark.slow
 def test_console_script_errors_exit_2_with_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dipaco.cli", "train", "--shards", str(tmp_path / "nope"),
                            "--out", str(tmp_path / "run")], capture_output=True, text=True)

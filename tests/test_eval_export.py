@@ -11,6 +11,8 @@ from dipaco.eval.api import load
 
 from eval_helpers import private_run
 
+pytestmark = pytest.mark.slow  # a trained run (real shards)
+
 
 @pytest.fixture(scope="module")
 def rr(tmp_path_factory, shards_2x2):

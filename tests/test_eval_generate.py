@@ -9,6 +9,8 @@ from dipaco.eval.generate import generate
 
 from eval_helpers import private_run
 
+pytestmark = pytest.mark.slow  # a trained run (real shards)
+
 PROMPT = "def main():\n    return"
 
 

@@ -40,6 +40,7 @@ def _per_position_nll(model, ids, seq_len):
     return out
 
 
+@pytest.mark.slow
 def test_prefix_is_not_scored(run_dir, shards_2x2, report):
     run = Run(run_dir)
     _, ids = heldout_tokens(ShardSet(shards_2x2), run.config.eval.max_tokens_per_doc)
@@ -54,6 +55,7 @@ def test_prefix_is_not_scored(run_dir, shards_2x2, report):
         assert n == len(x) - 32 and s == pytest.approx(brute[32:].sum(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_route_every_w_at_least_doc_length_equals_once_per_doc(report):
     once, wide = report["methods"]["dipaco"], report["methods"]["dipaco every-1000000"]
     assert wide["nll_sum"] == once["nll_sum"] and wide["perplexity"] == once["perplexity"]
@@ -76,6 +78,7 @@ class _Recorder:
         return self.route_ids(ids)
 
 
+@pytest.mark.slow
 def test_route_every_w_uses_previous_window_and_full_context(run_dir, shards_2x2, report):
     run, shards = Run(run_dir), ShardSet(shards_2x2)
     _, ids = heldout_tokens(shards, run.config.eval.max_tokens_per_doc)
@@ -113,6 +116,7 @@ def test_route_every_w_uses_previous_window_and_full_context(run_dir, shards_2x2
     assert "shard router on the previous 32 tokens" in w16["routing"]
 
 
+@pytest.mark.slow
 def test_oracle_below_routed_below_random(report):
     m = report["methods"]
     oracle, routed, random = (m[k]["perplexity"] for k in ("dipaco oracle", "dipaco", "dipaco random"))
@@ -131,6 +135,7 @@ def test_mixture_weights_are_cbtm_softmax():
         mixture_weights([("a", 0.2)], 0.0)
 
 
+@pytest.mark.slow
 def test_early_stopping_picks_lowest_val_loss_round(run_dir, shards_2x2, tmp_path):
     run_copy = tmp_path / "run"
     shutil.copytree(run_dir, run_copy)
@@ -148,6 +153,7 @@ def test_early_stopping_picks_lowest_val_loss_round(run_dir, shards_2x2, tmp_pat
     assert set(rep["rounds_curve"]["d"]) == {"1", "2"}
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_dipaco_errors(run_dir, shards_2x2):
     with pytest.raises(DipacoError, match="dense"):
         evaluate({"a": run_dir}, shards_2x2, progress=False, baseline=run_dir)
@@ -157,6 +163,7 @@ def test_bad_inputs_are_dipaco_errors(run_dir, shards_2x2):
         evaluate({"a": run_dir}, shards_2x2, progress=False, route_every=[0])
 
 
+@pytest.mark.slow
 def test_eval_cli_report_with_baseline_and_plots(run_dir, shards_2x2, tmp_path_factory, tmp_path, capsys):
     from dipaco.cli import main
 

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from dipaco.config import ModelConfig
@@ -62,6 +63,7 @@ def test_path_model_runs_and_modules_read_back():
             assert torch.equal(t, modules[m][n])
 
 
+@pytest.mark.slow
 def test_private_untied_head_trains_per_path_and_exports(shards_2x2, tmp_path):
     """grid.private_head with model.tie_embeddings=false: every path has its own lm_head after training, and an
     exported path loads in plain transformers with that head."""

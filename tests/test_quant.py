@@ -170,6 +170,7 @@ def _worker(rank, size, port, out_dir):
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_up_and_down_transport_on_four_gloo_ranks(tmp_path):
     """Uneven trainees on 4 ranks: at 4, 8 and 16 bits every holder gets exactly the world of one's
     Q_down(Σ w_i·deq(Q_up(Δ_i))), through the all-gather and the reduce-scatter alike; at 32 bits the exact

@@ -2,9 +2,13 @@
 
 import json
 
+import pytest
+
 from dipaco.quickstart import quickstart
 
 from conftest import TINY_TRAIN
+
+pytestmark = pytest.mark.slow  # the whole pipeline
 
 
 def test_quickstart_small(tmp_path, capsys):

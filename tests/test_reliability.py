@@ -1,17 +1,21 @@
 """Crashes lose nothing; damaged inputs get clear errors; parsers survive arbitrary input."""
 
+import dataclasses
 import json
+import math
 import subprocess
 import sys
 import textwrap
+import tomllib
+import typing
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dipaco import checkpoint
-from dipaco.config import TrainConfig, parse_override, resolve
+from dipaco.config import TrainConfig, parse_override, resolve, to_dict
 from dipaco.errors import DipacoError
 from dipaco.run import Run
 from dipaco.train import train
@@ -43,6 +47,7 @@ def _train_args(shards, out, rounds):
             "--inner-steps", "6", *sets]
 
 
+@pytest.mark.slow
 def test_sigkill_during_checkpoint_write_then_resume_is_bit_identical(shards_2x2, tmp_path):
     straight = tmp_path / "straight"
     train(tiny_train_config(rounds=2, inner_steps=6), shards_2x2, straight, progress=False)
@@ -64,6 +69,7 @@ def test_sigkill_during_checkpoint_write_then_resume_is_bit_identical(shards_2x2
             assert torch.equal(a[m][n], b[m][n]), (m, n)
 
 
+@pytest.mark.slow
 def test_damaged_checkpoints_get_clear_errors(shards_2x2, tmp_path):
     run = tmp_path / "run"
     train(tiny_train_config(rounds=1, inner_steps=3), shards_2x2, run, progress=False)
@@ -83,6 +89,7 @@ def test_damaged_checkpoints_get_clear_errors(shards_2x2, tmp_path):
         checkpoint.latest_round(run)
 
 
+@pytest.mark.slow
 def test_existing_run_is_not_overwritten(shards_2x2, tmp_path):
     run = tmp_path / "run"
     train(tiny_train_config(rounds=1, inner_steps=2), shards_2x2, run, progress=False)
@@ -94,6 +101,7 @@ def test_existing_run_is_not_overwritten(shards_2x2, tmp_path):
     assert (run / "checkpoints" / "round_1" / "modules" / "head.safetensors").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_grid_that_does_not_fit_the_model(shards_2x2, tmp_path):
     with pytest.raises(DipacoError, match="level_sizes"):
         train(tiny_train_config("grid.level_sizes=[1, 1]"), shards_2x2, tmp_path / "r", progress=False)
@@ -103,28 +111,86 @@ def test_grid_that_does_not_fit_the_model(shards_2x2, tmp_path):
 
 
 # ------------------------------------------------------------------------------------- fuzzing
+def _leaves(cls, prefix=""):
+    """{dotted key: annotated type} of every leaf field of a config dataclass."""
+    hints, out = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(_leaves(hints[f.name], f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = hints[f.name]
+    return out
+
+
+_LEAVES = _leaves(TrainConfig)
+_words = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=8)
+_by_type = {int: st.one_of(st.integers(1, 64), st.integers(-5, 10**6)).map(str), float: st.floats(allow_nan=True).map(repr),
+            bool: st.sampled_from(["true", "false"]), str: st.one_of(_words, _words.map(json.dumps)),
+            list[int]: st.lists(st.integers(-2, 12), max_size=3).map(str)}
+# a real key with a value of its type (it may still fail validation: rounds=-3) ...
+_typed = st.sampled_from(sorted(_LEAVES)).flatmap(lambda k: st.tuples(st.just(k), _by_type[_LEAVES[k]]))
+# ... or anything: sections, unknown keys, empty keys, values of the wrong type, text that is not TOML
 _keys = st.sampled_from(["rounds", "inner.lr", "model.hidden_size", "grid.private_blocks", "outer", "nope.x",
                          "eval.context_tokens", "preset", "grid.shape", "", "a..b"])
 _values = st.one_of(st.integers(-5, 10**6).map(str), st.floats(allow_nan=True).map(repr), st.text(max_size=12),
-                    st.sampled_from(["[1, 2]", "true", '"tiny"', "[", "{}", "inf", "nan"]))
+                    st.sampled_from(["[1, 2]", "true", '"tiny"', '"small"', "[", "{}", "inf", "nan"]))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b and type(a) is type(b)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(_keys, _values), max_size=4))
-def test_config_overrides_never_crash(pairs):
+@given(st.lists(st.one_of(_typed, st.tuples(_keys, _values)), max_size=4))
+@example([("rounds", "7"), ("inner.lr", "0.01"), ("grid.private_blocks", "[0, 3]"), ("rounds", "8")])
+@example([("preset", '"small"'), ("model.hidden_size", "512"), ("comm.bits", "4"), ("device", "cpu")])
+def test_overrides_show_up_in_the_resolved_config_or_fail_cleanly(pairs):
+    """Any list of --set overrides: a one-line DipacoError, or a config in which every override shows up (the
+    last one of each key wins) and nothing else moved: defaults, then the chosen preset, then the overrides."""
+    overrides = [f"{k}={v}" for k, v in pairs]
     try:
-        resolve(TrainConfig, overrides=[f"{k}={v}" for k, v in pairs])
-    except DipacoError:
-        pass
+        cfg = resolve(TrainConfig, overrides=overrides)
+    except DipacoError as exc:
+        assert "\n" not in str(exc)
+        return
+    parsed = [parse_override(o) for o in overrides]  # they all parsed, or resolve would have failed
+    presets = [p["preset"] for p in parsed if "preset" in p]
+    expected = to_dict(resolve(TrainConfig, flags={"preset": presets[-1] if presets else None}))
+    for o, p in zip(overrides, parsed):
+        key = o.split("=", 1)[0].strip()
+        node, parts = expected, key.split(".")
+        for part in parts[:-1]:
+            node = node[part]
+        value = p
+        for part in parts:
+            value = value[part]
+        want = node[parts[-1]]
+        node[parts[-1]] = float(value) if isinstance(want, float) and isinstance(value, int) else value
+    assert _same(to_dict(cfg), expected), overrides
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.text(max_size=60))
-def test_override_parser_never_crashes(text):
+@example("inner.lr = 3e-4")
+@example("grid.private_blocks=[0, 3]")
+def test_override_text_parses_to_its_key_or_fails_cleanly(text):
+    """Any text: a one-line DipacoError, or one value nested under exactly the dotted key left of the first '='."""
     try:
-        parse_override(text)
-    except DipacoError:
-        pass
+        parsed = parse_override(text)
+    except DipacoError as exc:
+        assert "\n" not in str(exc)
+        return
+    node = parsed
+    for part in text.split("=", 1)[0].strip().split("."):
+        assert isinstance(node, dict) and list(node) == [part], (text, parsed)
+        node = node[part]
+    raw = text.split("=", 1)[1]
+    if isinstance(node, str) and node != raw:  # not the text itself: then it was a TOML string
+        assert tomllib.loads(f"v = {raw}")["v"] == node
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # bench/reproduce.py in a subprocess
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "reproduce.py"
 IDS = {"diloco_below_dense", "dipaco_below_dense_5pct", "dipaco_near_dense_px", "dipaco_4x4_below_2x2",
        "every64_below_once", "discriminative_not_worse", "fourbit_within_1pct", "bytes_400x"}

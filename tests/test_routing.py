@@ -15,6 +15,7 @@ def texts(corpus_file):
     return [json.loads(line)["text"] for line in open(corpus_file, encoding="utf-8")]
 
 
+@pytest.mark.slow
 def test_fit_save_load_route_round_trip(texts, tmp_path, tok):
     router = fit_router(texts, "4", tok, cluster_on="prefix", svd_dims=16, seed=0)
     routes = router.route(texts)
@@ -25,12 +26,14 @@ def test_fit_save_load_route_round_trip(texts, tmp_path, tok):
     assert np.allclose(loaded.features.transform(texts[:20]), router.features.transform(texts[:20]), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_deterministic_under_a_seed(texts, tok):
     a = fit_router(texts, "2x2", tok, cluster_on="prefix", svd_dims=16, seed=3).route(texts)
     b = fit_router(texts, "2x2", tok, cluster_on="prefix", svd_dims=16, seed=3).route(texts)
     assert a == b
 
 
+@pytest.mark.slow
 def test_product_kmeans_path_ids_are_tuples_of_level_centroids(texts, tok):
     router = fit_router(texts, "2x3", tok, cluster_on="prefix", svd_dims=16, seed=0)
     assert router.paths == [f"{i}-{j}" for i in range(2) for j in range(3)]
@@ -61,6 +64,7 @@ def test_balanced_assignment_caps_every_cluster():
         balanced_assignment(d, 0.5)
 
 
+@pytest.mark.slow
 def test_bad_router_input(texts, tmp_path, tok):
     router = fit_router(texts, "2", tok, cluster_on="prefix", svd_dims=8)
     with pytest.raises(DipacoError, match="list of texts"):

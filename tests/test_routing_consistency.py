@@ -17,6 +17,8 @@ from dipaco.sharding.writer import shard
 from conftest import shard_config
 from eval_helpers import private_run
 
+pytestmark = pytest.mark.slow  # real shards and runs
+
 
 def _texts(path):
     return [json.loads(line)["text"] for line in open(path, encoding="utf-8")]

@@ -12,6 +12,8 @@ from dipaco.sharding.writer import shard
 
 from conftest import shard_config
 
+pytestmark = pytest.mark.slow  # real shards, tiny HF models
+
 
 @pytest.fixture(scope="module")
 def texts(corpus_file):

@@ -20,6 +20,7 @@ def texts(corpus_file):
     return [json.loads(line)["text"] for line in open(corpus_file, encoding="utf-8")]
 
 
+@pytest.mark.slow
 def test_flat_and_product_routes_are_nearest_paths(texts, tok):
     flat = fit_router(texts, "4", tok, cluster_on="prefix", svd_dims=16)
     assert flat.paths == ["0", "1", "2", "3"]
@@ -30,6 +31,7 @@ def test_flat_and_product_routes_are_nearest_paths(texts, tok):
     assert len(set(product.route(texts))) >= 3
 
 
+@pytest.mark.slow
 def test_spherical_centroids_are_unit_vectors(texts, tmp_path, tok):
     router = fit_router(texts, "3", tok, cluster_on="prefix", svd_dims=16, spherical=True)
     assert np.allclose(np.linalg.norm(router.centroids[0], axis=1), 1.0, atol=1e-4)
@@ -47,6 +49,7 @@ def test_calibrated_bias_caps_the_sample():
     assert counts.max() <= np.ceil(1.1 * 400 / 4) and counts.min() > 0
 
 
+@pytest.mark.slow
 def test_balanced_router_keeps_paths_near_the_mean(texts, tmp_path, tok):
     plain = collections.Counter(fit_router(texts, "4", tok, cluster_on="prefix", svd_dims=16).route(texts))
     balanced_router = fit_router(texts, "4", tok, cluster_on="prefix", svd_dims=16, balance=1.1)
@@ -60,6 +63,7 @@ def test_balanced_router_keeps_paths_near_the_mean(texts, tmp_path, tok):
     assert max(assign.values()) <= np.ceil(1.05 * len(texts) / 4)
 
 
+@pytest.mark.slow
 def test_overlap_in_memory(texts, tok):
     router = fit_router(texts, "2x2", tok, cluster_on="prefix", svd_dims=16)
     lists = router.assign(texts[:30], overlap=2)
@@ -69,6 +73,7 @@ def test_overlap_in_memory(texts, tok):
     assert [[p for p, _ in t] for t in top] == lists
 
 
+@pytest.mark.slow
 def test_shard_balanced_overlap(corpus_file, shards_2x2, tmp_path):
     cfg = shard_config("4", "routing.balance=1.1", "routing.overlap=2", "data.val_fraction=0.2", "routing.batch_size=64")
     m = shard([str(corpus_file)], cfg, tmp_path / "s", tokenizer_dir=str(shards_2x2 / "tokenizer"), progress=False)

@@ -26,6 +26,7 @@ def test_lr_after_the_schedule_stays_at_the_final_value():
     assert lr_at(20, 20, inner) == lr_at(35, 20, inner) == pytest.approx(final)
 
 
+@pytest.mark.slow
 def test_extending_a_finished_run_keeps_its_lr_schedule(shards_2x2, tmp_path):
     run = tmp_path / "run"
     sets = ("val_batches=0", "log_every=1")
@@ -48,6 +49,7 @@ def test_extending_a_finished_run_keeps_its_lr_schedule(shards_2x2, tmp_path):
     assert rounds == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_run_without_recorded_schedule_uses_its_first_config(shards_2x2, tmp_path):
     """Runs made before schedule_steps was recorded: config.toml (written once, at creation) gives it."""
     run = tmp_path / "old"

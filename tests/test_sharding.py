@@ -24,6 +24,7 @@ def test_tokenizer_save_load_round_trip(tmp_path):
     assert back.eos_token == "<|endoftext|>"
 
 
+@pytest.mark.slow
 def test_every_document_lands_in_exactly_one_path(shards_2x2, corpus_file):
     s = ShardSet(shards_2x2)
     m = s.manifest
@@ -46,12 +47,14 @@ def test_every_document_lands_in_exactly_one_path(shards_2x2, corpus_file):
     assert first_train not in heldout
 
 
+@pytest.mark.slow
 def test_router_from_python_api(shards_2x2):
     router = Router.load(shards_2x2 / "router")
     docs = ShardSet(shards_2x2).heldout()[:5]
     assert router.route([d["text"] for d in docs]) == [d["path"] for d in docs]
 
 
+@pytest.mark.slow
 def test_deterministic_shards(corpus_file, tmp_path, shards_2x2):
     again = tmp_path / "again"
     shard([str(corpus_file)], shard_config("2x2"), again, progress=False)
@@ -61,6 +64,7 @@ def test_deterministic_shards(corpus_file, tmp_path, shards_2x2):
     assert json.loads((again / "manifest.json").read_text())["fingerprint"] == ShardSet(shards_2x2).fingerprint
 
 
+@pytest.mark.slow
 def test_bad_inputs_get_clear_errors_and_leave_nothing(tmp_path, corpus_file):
     out = tmp_path / "out"
     with pytest.raises(DipacoError, match="does not exist"):
@@ -79,6 +83,7 @@ def test_bad_inputs_get_clear_errors_and_leave_nothing(tmp_path, corpus_file):
     assert not list(tmp_path.glob(".out.tmp*"))
 
 
+@pytest.mark.slow
 def test_existing_output_is_kept(shards_2x2, corpus_file):
     before = (shards_2x2 / "manifest.json").read_bytes()
     with pytest.raises(DipacoError, match="already exists"):
@@ -86,6 +91,7 @@ def test_existing_output_is_kept(shards_2x2, corpus_file):
     assert (shards_2x2 / "manifest.json").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_capped_heldout_set_is_drawn_from_the_whole_corpus(tmp_path, corpus_file):
     # The corpus file is sorted by label; a cap that the first label alone would fill must still
     # leave held-out documents of every label (a uniform subset of the candidates, not the first ones).

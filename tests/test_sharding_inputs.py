@@ -45,6 +45,7 @@ def _write_all_formats(rows, root):
     return parts
 
 
+@pytest.mark.slow
 def test_every_format_streams_the_same_documents(rows, tmp_path):
     parts = _write_all_formats(rows, tmp_path / "in")
     stream = iter_documents([str(tmp_path / "in" / n) for n in ("a.jsonl.gz", "b.parquet", "c.csv", "txt")],
@@ -55,6 +56,7 @@ def test_every_format_streams_the_same_documents(rows, tmp_path):
     assert [d.label for d in docs[: len(parts[0])]] == [r["domain"] for r in parts[0]]
 
 
+@pytest.mark.slow
 def test_filters_dedup_and_manifest(rows, tmp_path, shards_2x2):
     src = tmp_path / "c.jsonl"
     with open(src, "w", encoding="utf-8") as f:
@@ -92,6 +94,7 @@ def test_bad_rows_get_one_line_errors(tmp_path):
     assert not out.exists() and not list(tmp_path.glob(".out.tmp*"))
 
 
+@pytest.mark.slow
 def test_inspect_cli(shards_2x2, tmp_path, capsys):
     png = tmp_path / "sizes.png"
     assert main(["inspect", str(shards_2x2), "--png", str(png)]) == 0

@@ -37,6 +37,7 @@ def trained(corpus_file, shards_2x2, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_reshard_cli_end_to_end(trained, capsys):
     src, out = trained / "shards", trained / "shards2"
     assert main(["reshard", "--run", str(trained / "run"), "--shards", str(src), "--out", str(out), "--quiet",
@@ -72,6 +73,7 @@ def test_reshard_cli_end_to_end(trained, capsys):
             assert (new.tokens(p)[offsets[1:] - 1] == new.eos_token_id).all()
 
 
+@pytest.mark.slow
 def test_reshard_refuses_mismatched_inputs(trained, shards_2x2, tmp_path):
     from dipaco.sharding.reshard import reshard
 

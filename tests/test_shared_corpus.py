@@ -9,7 +9,8 @@ import pytest
 
 from conftest import SHARED_CORPUS, shard_config
 
-pytestmark = pytest.mark.skipif(not SHARED_CORPUS.is_dir(), reason=f"shared corpus not found at {SHARED_CORPUS}")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not SHARED_CORPUS.is_dir(), reason=f"shared corpus not found at {SHARED_CORPUS}")]
 
 
 @pytest.mark.parametrize("cluster_on", ["prefix", "document"])

@@ -89,6 +89,7 @@ def test_bad_configs_are_rejected(sets, needle):
         tiny_train_config(*sets, inner_steps=10)
 
 
+@pytest.mark.slow
 def test_streaming_crash_resume_is_exact(shards_2x2, tmp_path):
     sets = ["streaming.fragments=2", "streaming.overlap=1", "streaming.alpha=0.5", "val_batches=0"]
     cfg = tiny_train_config(*sets, rounds=2, inner_steps=4)

@@ -38,6 +38,7 @@ def test_window_examples_are_the_chunks_after_the_first():
     assert ex == [(1, lo, min(lo + 16, 100)) for lo in range(48, 100, 16)]
 
 
+@pytest.mark.slow
 def test_fit_window_router_cli(fitted, capsys):
     shards, run = fitted
     folder = run / "window_routers" / f"w{W}"
@@ -58,6 +59,7 @@ def test_fit_window_router_cli(fitted, capsys):
     assert "window of at least 1 token" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_eval_and_generate_use_the_window_router(fitted):
     shards, run = fitted
     rep = evaluate({"d": run}, shards, progress=False, route_every=[W, 24])
