@@ -396,6 +396,25 @@ def _nest(flat: dict) -> dict:
     return out
 
 
+def validate_streaming(H: int, fragments: int, overlap: int, alpha: float, layout: str, num_layers: int) -> None:
+    """Reject schedules that cannot run, with the fix in the message."""
+    if fragments < 1:
+        raise DipacoError(f"config: 'streaming.fragments' must be >= 1, got {fragments}")
+    if fragments > num_layers:
+        raise DipacoError(f"config: 'streaming.fragments' ({fragments}) exceeds model.num_layers ({num_layers}); "
+                          f"use at most one fragment per block")
+    if H % fragments:
+        raise DipacoError(f"config: 'streaming.fragments' ({fragments}) must divide inner_steps H ({H}); "
+                          f"pick F among the divisors of H")
+    if overlap < 0 or overlap >= H // fragments:
+        raise DipacoError(f"config: 'streaming.overlap' τ={overlap} must satisfy 0 <= τ < H/F = {H // fragments} "
+                          f"(one fragment in flight at a time); lower τ or F, or raise inner_steps")
+    if not 0.0 <= alpha <= 1.0:
+        raise DipacoError(f"config: 'streaming.alpha' must be in [0, 1] (0 replaces, 0.5 averages), got {alpha}")
+    if layout not in ("strided", "sequential"):
+        raise DipacoError(f"config: 'streaming.layout' must be 'strided' or 'sequential', got {layout!r}")
+
+
 def validate(cfg) -> None:
     """Reject nonsense values with a message naming the key."""
     def positive(key, value):
@@ -430,8 +449,7 @@ def validate(cfg) -> None:
             raise DipacoError("config: 'eval.context_tokens' must be >= 1")
         if cfg.device not in ("auto", "cpu", "cuda"):
             raise DipacoError(f"config: 'device' must be 'auto', 'cpu' or 'cuda', got {cfg.device!r}")
-        from dipaco.quant import SUPPORTED_BITS
-        from dipaco.streaming import validate_streaming
+        from dipaco.quant import SUPPORTED_BITS  # a leaf module (torch only): no import circle
 
         s = cfg.streaming
         validate_streaming(cfg.inner_steps, s.fragments, s.overlap, s.alpha, s.layout, m.num_layers)

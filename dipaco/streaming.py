@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dipaco.errors import DipacoError
 from dipaco.model import component_of
 
 
@@ -80,22 +79,3 @@ def merge(local: torch.Tensor, global_: torch.Tensor, alpha: float) -> None:
         local.copy_(global_)
     else:
         local.mul_(alpha).add_(global_.to(local.dtype), alpha=1.0 - alpha)
-
-
-def validate_streaming(H: int, fragments: int, overlap: int, alpha: float, layout: str, num_layers: int) -> None:
-    """Reject schedules that cannot run, with the fix in the message."""
-    if fragments < 1:
-        raise DipacoError(f"config: 'streaming.fragments' must be >= 1, got {fragments}")
-    if fragments > num_layers:
-        raise DipacoError(f"config: 'streaming.fragments' ({fragments}) exceeds model.num_layers ({num_layers}); "
-                          f"use at most one fragment per block")
-    if H % fragments:
-        raise DipacoError(f"config: 'streaming.fragments' ({fragments}) must divide inner_steps H ({H}); "
-                          f"pick F among the divisors of H")
-    if overlap < 0 or overlap >= H // fragments:
-        raise DipacoError(f"config: 'streaming.overlap' τ={overlap} must satisfy 0 <= τ < H/F = {H // fragments} "
-                          f"(one fragment in flight at a time); lower τ or F, or raise inner_steps")
-    if not 0.0 <= alpha <= 1.0:
-        raise DipacoError(f"config: 'streaming.alpha' must be in [0, 1] (0 replaces, 0.5 averages), got {alpha}")
-    if layout not in ("strided", "sequential"):
-        raise DipacoError(f"config: 'streaming.layout' must be 'strided' or 'sequential', got {layout!r}")
