@@ -37,7 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-CORPUS = Path(os.environ.get("DIPACO_CORPUS", Path(__file__).resolve().parents[2] / "shared" / "corpus"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shared_corpus import SHARED_CORPUS as CORPUS  # noqa: E402
 MODEL = ["model.hidden_size=64", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=4",
          "model.intermediate_size=192", "model.max_seq_len=128", "inner.batch_size=8", "inner.warmup_steps=20",
          "inner.lr=2e-3", "val_batches=0", "log_every=0"]

@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reproduce import DEFAULT_DATA, Job, input_files, rounds_done, run_jobs  # noqa: E402
+from reproduce import Job, input_files, rounds_done, run_jobs  # noqa: E402
+from shared_corpus import SHARED_CORPUS as DEFAULT_DATA  # noqa: E402
 
 ROUNDS, H, W = 16, 50, 64
 SHARD_SETS = ["grid=\"2x2\"", "tokenizer.vocab_size=4096", "routing.balance=1.1",

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CORPUS = ROOT.parent / "shared" / "corpus"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shared_corpus import SHARED_CORPUS as DEFAULT_CORPUS  # noqa: E402
 
 
 def child(data: list[str], out: str, grid: str, extra: list[str]) -> None:

@@ -50,7 +50,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-CORPUS = Path(os.environ.get("DIPACO_CORPUS", Path(__file__).resolve().parents[2] / "shared" / "corpus"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shared_corpus import SHARED_CORPUS as CORPUS  # noqa: E402
 
 # name -> (hidden, layers, heads, intermediate, seq_len, batch)
 CONFIGS = {
