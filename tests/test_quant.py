@@ -3,7 +3,6 @@ and on 4 gloo ranks (uneven trainees, both patterns, empty reduce-scatter chunks
 
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.multiprocessing as mp
 
 from dipaco.comm import LocalWorld, analytic_bytes, chosen_pattern, chunk_bounds
 from dipaco.config import TrainConfig, resolve
+from dipaco.launch import free_port
 from dipaco.quant import dequantize, payload_bytes, quantize
 
 
@@ -121,12 +121,6 @@ def test_world_of_one_quantizes_up_and_down_by_hand():
     assert torch.equal(torch.cat([q16["a"].reshape(-1), q16["b"]]), bf.bfloat16().float())
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # trainees 0, 1 on rank 0, 2 on rank 1, 3 on rank 2, 4 on rank 3 (uneven). Modules: "shared" 4 holders (2, 1, 1, 1);
 # "quad" 4 holders with one trainee each and 8 whole blocks (2 per chunk); "pair" 2 holders (1, 1); "duo" 2 holders
 # (2, 1); "tiny" 3 holders and one partial block (two empty reduce-scatter chunks); "solo" one holder
@@ -175,7 +169,7 @@ def test_up_and_down_transport_on_four_gloo_ranks(tmp_path):
     """Uneven trainees on 4 ranks: at 4, 8 and 16 bits every holder gets exactly the world of one's
     Q_down(Σ w_i·deq(Q_up(Δ_i))), through the all-gather and the reduce-scatter alike; at 32 bits the exact
     sum; bytes equal the analytic count, and the reduce-scatter sends 2(n−1)/n·P per holder."""
-    mp.start_processes(_worker, args=(RANKS, _free_port(), str(tmp_path)), nprocs=RANKS, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(RANKS, free_port(), str(tmp_path)), nprocs=RANKS, join=True, start_method="spawn")
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(RANKS)]
     holders = {m: sorted({TRAINEE_RANK[i] for i in ws}) for m, ws in WEIGHTS.items()}
     numel = {m: sum(math.prod(s) for s in SHAPES.get(m, {"a": (5, 21), "b": (7,)}).values()) for m in WEIGHTS}
