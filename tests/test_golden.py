@@ -102,7 +102,7 @@ def _train(shards: Path, out: Path, workers: int, sets: list[str]) -> None:
 
 def summarize(run: Path) -> dict:
     """What the fixture pins of a run directory (read from its files: the on-disk format, not the code)."""
-    rounds = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"kind": "round"' in l]
+    rounds = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("kind") == "round"]
     out = {"train_loss_by_trainee": {str(r["round"]): r["train_loss_by_trainee"] for r in rounds},
            "val_loss": {str(r["round"]): r["val_loss"] for r in rounds}, "modules": {}, "sha256": {}}
     for r in range(ROUNDS + 1):
