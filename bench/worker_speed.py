@@ -24,7 +24,7 @@ granularity of one step, which is what makes the ratio usable on a shared, loade
 (bare, worker, worker, bare, ...). Each of ``--reps`` repetitions uses a fresh bare model and run; the
 table shows medians and the median of the per-rep ratios worker/bare, over wall time and over CPU time
 of the process. The worker's time is broken down by timing wrappers around dipaco's own functions
-(inner_step, the sampler, validate, save_round, the outer step in ModuleSync, metrics).
+(inner_step, the sampler, validate, Checkpointer.save, the outer step in ModuleSync, metrics).
 
 Shards: a 2x2 shard directory made once with ``dipaco shard`` from the first documents of every file
 of ``$DIPACO_CORPUS`` or ``../shared/corpus`` or, when that is absent, from the default corpus
@@ -173,10 +173,12 @@ class Timers:
     @contextmanager
     def installed(self):
         import dipaco.train as train_mod
+        from dipaco.checkpoint import Checkpointer
+        from dipaco.run import RunDirectory
         from dipaco.shards import BatchSampler
         from dipaco.sync import ModuleSync
 
-        self.wrap(train_mod, "start_round", "setup_start_round", mark_end=True)
+        self.wrap(RunDirectory, "begin", "setup_start_round", mark_end=True)
         self.wrap(train_mod, "inner_step", "inner_step")
         if self.paired is not None:
             timed_inner = train_mod.inner_step
@@ -194,7 +196,7 @@ class Timers:
         self.wrap(ModuleSync, "flush", "sync_flush")
         self.wrap(train_mod, "validate", "validate")
         self.wrap(train_mod, "log_round", "metrics")
-        self.wrap(train_mod, "save_round", "checkpoint")
+        self.wrap(Checkpointer, "save", "checkpoint")
         self.wrap(train_mod, "write_worker_report", "worker_report")
         try:
             yield self
@@ -227,7 +229,7 @@ def worker_run(config: tuple, grid: str, shards: Path, run_dir: Path, rounds: in
     loop_cpu = ended_cpu - timers.marks["setup_start_round_cpu"] - timers.excluded_cpu
     tokens = rounds * H * trainees * batch * seq
     s = timers.seconds
-    # the round-0 checkpoint is written inside start_round (setup): take it out of the per-round numbers
+    # the round-0 checkpoint is written inside RunDirectory.begin (setup): take it out of the per-round numbers
     ckpt_calls = timers.calls["checkpoint"] - 1
     ckpt_round = s["checkpoint"] * ckpt_calls / timers.calls["checkpoint"] if ckpt_calls else 0.0
     per_round = {

@@ -11,18 +11,22 @@ Round 0 holds the initial weights. A round directory is written under a temporar
 into place, so a crash leaves the previous complete round intact. Loading uses safetensors, JSON and
 ``torch.load(weights_only=True)`` only: nothing is unpickled.
 
-Several workers write one round together: ``begin_round`` (rank 0) makes the temporary directory,
-every worker writes its own modules and trainee states into it (``write_modules``, ``write_trainees``),
-and ``finish_round`` (rank 0, after every worker is done) adds the outer state, the streamed reductions
-and ``meta.json``, checks that every module and trainee file is there, renames the directory into place
-and only then moves ``latest``. ``save_round`` does all of it in one process.
+Several workers write one round together (``Checkpointer.save``, the distributed commit):
+``begin_round`` (rank 0) makes the temporary directory, every worker writes its ``Part`` (its modules and
+trainee states) into it (``write_modules``, ``write_trainees``), and ``finish_round`` (rank 0, after every
+worker is done) adds the outer state, the streamed reductions and ``meta.json``, checks that every module
+and trainee file is there, renames the directory into place and only then moves ``latest``. A failure on
+any worker is passed to all of them (none hangs) and leaves ``latest`` where it was. ``save_round`` does
+all of it in one process.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -30,6 +34,9 @@ from safetensors.torch import load_file, save_file
 
 from dipaco.errors import DipacoError
 from dipaco.io import atomic_write_text, commit_dir, read_json, write_json
+
+if TYPE_CHECKING:
+    from dipaco.comm import World
 
 
 def round_dir(run: str | Path, r: int) -> Path:
@@ -163,3 +170,73 @@ def load_sync(run: str | Path, r: int) -> list:
         return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for a damaged file
         raise DipacoError(f"checkpoint file {f} is corrupt ({type(exc).__name__}); resume from an earlier round") from None
+
+
+# ------------------------------------------------------------------------------ the distributed commit
+@dataclass
+class Part:
+    """One worker's share of a round, written or read back: the modules it is the lowest-rank holder of
+    (all the modules it holds, when read back), its trainees' states, the outer buffers of those modules
+    (``"module/name"`` keys) and the reductions in flight (``ModuleSync.state``) with their grads of those modules."""
+    modules: dict[str, dict[str, torch.Tensor]]
+    trainees: dict[int, dict]
+    outer: dict[str, torch.Tensor]
+    sync: list[dict]
+
+
+class Checkpointer:
+    """Commits a round that every worker writes a part of, and reads a worker's part back. ``modules``: every
+    module of the run, ``trainee_paths``: every trainee's path (both for ``meta.json`` and the completeness check)."""
+
+    def __init__(self, run: str | Path, world: World, modules: list[str], trainee_paths: list[str]):
+        self.run, self.world, self.modules, self.trainee_paths = Path(run), world, modules, trainee_paths
+
+    def save(self, r: int, part: Part) -> None:
+        """Every worker writes its part straight into the round's temporary directory (made by rank 0); rank 0
+        gathers the small rest (outer buffers, streamed reductions), completes the round and moves ``latest``;
+        every rank learns whether that worked (a DipacoError on all of them if not)."""
+        world = self.world
+        tmp = world.broadcast(_attempt(lambda: str(begin_round(self.run, r))) if world.rank == 0 else None)
+        error = tmp if isinstance(tmp, DipacoError) else _attempt(lambda: self._write(Path(tmp), part), world.rank)
+        parts = world.gather({"error": error, "outer": part.outer, "sync": part.sync})
+        outcome = None
+        if world.rank == 0:
+            outcome = next((p["error"] for p in parts if isinstance(p["error"], DipacoError)), None)
+            if outcome is None:
+                outcome = _attempt(lambda: self._finish(r, Path(tmp), parts))
+            if isinstance(outcome, DipacoError) and not isinstance(tmp, DipacoError):
+                abort_round(Path(tmp))
+        outcome = world.broadcast(outcome)
+        if isinstance(outcome, DipacoError):
+            raise DipacoError(str(outcome))
+
+    def load(self, r: int, modules: list[str], trainees: list[int]) -> Part:
+        """The part of a worker that holds ``modules`` and trains ``trainees``, from round ``r`` (on the CPU)."""
+        tensors = load_modules(self.run, r, modules)
+        outer, states, _ = load_state(self.run, r, trainees)
+        return Part(tensors, dict(zip(trainees, states)),
+                    {k: v for k, v in outer.items() if k.split("/", 1)[0] in modules}, load_sync(self.run, r))
+
+    @staticmethod
+    def _write(tmp: Path, part: Part) -> None:
+        write_modules(tmp, part.modules)
+        write_trainees(tmp, part.trainees)
+
+    def _finish(self, r: int, tmp: Path, parts: list[dict]) -> None:
+        outer_state = {k: v for p in parts for k, v in p["outer"].items()}
+        pending = {}  # a reduction's grads come in pieces, one per module owner: join them
+        for p in parts:
+            for d in p["sync"]:
+                pending.setdefault((d["started"], d["fragment"]), {**d, "grads": {}})["grads"].update(d["grads"])
+        finish_round(self.run, r, tmp, self.modules, outer_state, len(self.trainee_paths),
+                     {"trainee_paths": self.trainee_paths}, [pending[k] for k in sorted(pending)])
+
+
+def _attempt(fn, rank: int = 0):
+    """fn()'s result, or its exception as a DipacoError (to pass to the other ranks instead of hanging them)."""
+    try:
+        return fn()
+    except DipacoError as exc:
+        return exc
+    except Exception as exc:
+        return DipacoError(f"writing the checkpoint failed on worker {rank}: {type(exc).__name__}: {exc}")

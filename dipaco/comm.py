@@ -1,20 +1,15 @@
 """Communication between workers. The only file that imports torch.distributed.
 
-Two worlds share one small interface (what ``dipaco.sync`` and ``dipaco.train`` use):
-
-  ``setup(holders)``  once: ``{module: {trainee index: rank}}`` for every trainee whose path holds the module
-  ``start_reduce(deltas, weights)`` -> handle; ``handle.wait()`` gives ``{module: {name: Δ_m}}``, the module
-      (or fragment) outer gradient ``Δ_m = Σ_i w_i·T(Δ_i)`` over all the module's trainees, the same bits on
-      every holder. ``deltas``: ``{module: {trainee: {name: Δ_i}}}`` for this worker's trainees (fp32);
-      ``weights``: ``{module: {trainee: w_i}}`` for all of the module's trainees, on every worker.
-  ``gather(obj)`` -> list of every rank's obj on rank 0 (None elsewhere); ``broadcast(obj)`` from rank 0
-  ``stats()`` / ``reset_stats()``: bytes sent/received, communication and waiting seconds
+``World`` (below) is the interface ``dipaco.sync``, ``dipaco.checkpoint`` and ``dipaco.train`` use; two
+worlds implement it: ``LocalWorld`` (no launcher: every trainee in this process) and ``DistWorld``
+(torchrun). ``World.start_reduce`` is where a module's outer gradients meet: it returns a handle to every
+module's ``module_average`` (``dipaco.outer``) as the transport carries it.
 
 Transport (``comm.bits``), one definition on every layout, so a config computes the same thing on any number
 of workers (the world of one included):
   bits < 32   up and down quantization: ``Δ_m = Q_down(Σ_i w_i·deq(Q_up(Δ_i)))``. Q_up: each trainee's Δ_i (the
               module's or fragment's tensors flattened in a fixed name order) is quantized once, as if sent from
-              its own worker. The terms are added in fp32 in trainee-index order (``weighted_sum``). Q_down: the
+              its own worker. The terms are added in fp32 in trainee-index order (``module_average``). Q_down: the
               sum is quantized again blockwise from index 0 and dequantized, as the owner of a reduce-scatter
               chunk does before the all-gather; the chunks are whole blocks, so quantizing chunk by chunk is
               quantizing the whole vector. Every holder applies the same Δ_m, bit for bit, whichever pattern
@@ -23,8 +18,7 @@ of workers (the world of one included):
   bits = 32   exact: no Q, so a worker may send the fp32 partial sum of its own trainees and the holders add
               the partial sums (equal to the world of one up to fp32 reassociation).
 
-``LocalWorld`` (no launcher): every trainee is in this process; nothing crosses a wire.
-``DistWorld`` (torchrun): one process group per distinct set of holders, created once in the same
+``LocalWorld``: nothing crosses a wire. ``DistWorld``: one process group per distinct set of holders, created once in the same
 order on every rank, so a module's outer gradient goes only to the workers that hold it. Reductions
 run on one background thread, in the order they were started (the same on every rank), so a
 reduction overlaps with the inner steps that follow it until ``wait``.
@@ -52,10 +46,11 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 
-from dipaco.outer import weighted_sum
+from dipaco.outer import module_average
 from dipaco.quant import dequantize, payload_bytes, quantize
 
 
@@ -83,9 +78,9 @@ def reduce_here(flats: dict[int, torch.Tensor], weights: dict[int, float], bits:
     """Δ_m where every term is at hand (the world of one, a module with one holder):
     ``Q_down(Σ_i w_i·deq(Q_up(Δ_i)))`` below 32 bits, the exact weighted sum at 32."""
     if bits == 32:
-        return weighted_sum(flats, weights)
+        return module_average(flats, weights)
     up = {i: round_trip(f, bits, block) for i, f in flats.items()}
-    return round_trip(weighted_sum(up, weights), bits, block)
+    return round_trip(module_average(up, weights), bits, block)
 
 
 def chunk_bounds(numel: int, n: int, block: int) -> list[tuple[int, int]]:
@@ -97,13 +92,51 @@ def chunk_bounds(numel: int, n: int, block: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-class _Done:
-    """A handle whose result is already there."""
+Deltas = dict[str, dict[int, dict[str, torch.Tensor]]]  # {module: {trainee: {name: Δ_i}}}
+Reduced = dict[str, dict[str, torch.Tensor]]             # {module: {name: Δ_m}}
 
-    def __init__(self, value):
+
+class Handle(Protocol):
+    def wait(self) -> Reduced:
+        """Block until the reduction is done; its result (the same object on every call)."""
+
+
+class World(Protocol):
+    """The workers around this one, as the round loop, the sync and the checkpoint commit see them."""
+
+    rank: int
+    size: int
+    module_bytes: dict[str, list[int]]  # module -> [sent, received] over the whole run
+
+    def setup(self, holders: dict[str, dict[int, int]]) -> None:
+        """Once, before any reduction: ``{module: {trainee: rank}}`` for every trainee whose path holds the module."""
+
+    def start_reduce(self, deltas: Deltas, weights: dict[str, dict[int, float]]) -> Handle:
+        """Start averaging every module's outer gradient; the handle's ``wait()`` gives ``{module: {name: Δ_m}}``,
+        ``Δ_m = Σ_i w_i·T(Δ_i)`` (``module_average`` under the transport T of ``comm.bits``) over all the
+        module's trainees, the same bits on every holder. ``deltas``: this worker's trainees' Δ_i (fp32);
+        ``weights``: ``{module: {trainee: w_i}}`` for all of the module's trainees, on every worker."""
+
+    def gather(self, obj) -> list | None:
+        """Every rank's ``obj`` on rank 0, in rank order (None on the other ranks)."""
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+
+    def stats(self) -> dict:
+        """Cumulative bytes_sent, bytes_received, comm_s (reducing) and wait_s (blocked in ``wait``)."""
+
+    def close(self) -> None:
+        """After the last round (waits for the communication thread)."""
+
+
+class Ready:
+    """A handle whose result is already there (the world of one; reductions a checkpoint waited for or restored)."""
+
+    def __init__(self, value: Reduced):
         self.value = value
 
-    def wait(self):
+    def wait(self) -> Reduced:
         return self.value
 
 
@@ -116,17 +149,16 @@ class LocalWorld:
     def __init__(self, bits: int = 32, block: int = 128):
         self.bits, self.block = bits, block
         self.module_bytes: dict[str, list[int]] = {}
-        self.reset_stats()
 
     def setup(self, holders: dict[str, dict[int, int]]) -> None:
         pass
 
-    def start_reduce(self, deltas: dict[str, dict[int, dict[str, torch.Tensor]]], weights: dict[str, dict[int, float]]):
+    def start_reduce(self, deltas: Deltas, weights: dict[str, dict[int, float]]) -> Ready:
         out = {}
         for m, by_trainee in deltas.items():
             flats = {i: flatten(d) for i, d in by_trainee.items()}
             out[m] = unflatten(reduce_here(flats, weights[m], self.bits, self.block), next(iter(by_trainee.values())))
-        return _Done(out)
+        return Ready(out)
 
     def gather(self, obj) -> list:
         return [obj]
@@ -134,16 +166,8 @@ class LocalWorld:
     def broadcast(self, obj):
         return obj
 
-    def reset_stats(self) -> None:
-        self.bytes_sent = self.bytes_received = 0
-        self.comm_seconds = self.wait_seconds = 0.0
-
-    def stats(self) -> dict:
-        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "comm_s": self.comm_seconds, "wait_s": self.wait_seconds}
-
-    def barrier(self) -> None:
-        pass
+    def stats(self) -> dict:  # nothing crosses a wire, nothing waits
+        return {"bytes_sent": 0, "bytes_received": 0, "comm_s": 0.0, "wait_s": 0.0}
 
     def close(self) -> None:
         pass
@@ -240,7 +264,7 @@ class DistWorld:
                 self.groups[ranks] = group
 
     # ------------------------------------------------------------------------------ reductions
-    def start_reduce(self, deltas: dict[str, dict[int, dict[str, torch.Tensor]]], weights: dict[str, dict[int, float]]):
+    def start_reduce(self, deltas: Deltas, weights: dict[str, dict[int, float]]) -> _Waiting:
         future: Future = self.executor.submit(self._reduce_all, deltas, weights)
         return _Waiting(future, self)
 
@@ -268,8 +292,8 @@ class DistWorld:
         flats = {i: flatten(d).to(self.device) for i, d in by_trainee.items()}
         if len(ranks) == 1:
             return reduce_here(flats, weights, self.bits, self.block), 0, 0
-        if self.bits == 32:  # exact: add this worker's trainees here, then the holders' partial sums
-            return self._sum_partials(weighted_sum(flats, weights), ranks)
+        if self.bits == 32:  # exact: this worker's trainees' share of the average here, then the holders add the shares
+            return self._sum_partials(module_average(flats, weights), ranks)
         counts = [len(self.trainees_on[m][r]) for r in ranks]
         if chosen_pattern(self.pattern, counts, self.bits) == "reduce_scatter":
             return self._reduce_scatter_payloads(m, flats, weights, ranks)
@@ -277,7 +301,7 @@ class DistWorld:
         payloads = {i: quantize(f, self.bits, self.block) for i, f in flats.items()}
         payloads, sent, received = self._gather_payloads(m, payloads, ranks)
         vectors = {i: dequantize(p, numel, self.bits, self.block) for i, p in payloads.items()}
-        return round_trip(weighted_sum(vectors, weights), self.bits, self.block), sent, received
+        return round_trip(module_average(vectors, weights), self.bits, self.block), sent, received
 
     def _gather_payloads(self, m: str, mine: dict[int, torch.Tensor], ranks: tuple[int, ...]):
         """Every trainee's payload of module m on every holder: an all-gather of this rank's payloads, done as
@@ -324,7 +348,7 @@ class DistWorld:
                 vectors[i] = dequantize(incoming[offset:offset + sizes[me]], lengths[me], bits, block)
                 offset += sizes[me]
         # down: the summed chunk, quantized once by its owner, to every other holder
-        down = quantize(weighted_sum(vectors, weights), bits, block)
+        down = quantize(module_average(vectors, weights), bits, block)
         send2 = [0 if j == me else sizes[me] for j in range(n)]
         recv2 = [0 if j == me else sizes[j] for j in range(n)]
         incoming = torch.empty(sum(recv2), dtype=torch.uint8, device=down.device)
@@ -395,9 +419,6 @@ class DistWorld:
             return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                     "comm_s": self.comm_seconds, "wait_s": self.wait_seconds}
 
-    def barrier(self) -> None:
-        self.dist.barrier(group=self.cpu_group)
-
     def close(self) -> None:
         self.executor.shutdown(wait=True)
         if self.dist.is_initialized():
@@ -417,7 +438,7 @@ class _Waiting:
         return result
 
 
-def make_world(cfg, device: str):
+def make_world(cfg, device: str) -> World:
     """A DistWorld under a launcher, else the world of one."""
     c = cfg.comm
     if not launched():

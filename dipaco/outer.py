@@ -1,11 +1,12 @@
-"""The outer step: per-module weighted outer gradients and outer Nesterov SGD. No torch.distributed.
+"""The outer step: outer gradients, their per-module weighted average, outer Nesterov SGD. No torch.distributed.
 
 Outer gradient of module m from trainee i: ``Δ_i = θ_m(global) − θ_m(trainee i)`` (old minus new).
-Module average: ``Δ_m = Σ_i w_i Δ_i`` over the trainees whose path contains m, with ``w_i`` proportional
-to the trainee's shard size and summing to 1 over those trainees (DiPaCo Eq. 2-3); optionally
-rescaled by ``sqrt(#paths through m)`` (DiPaCo §2.7). Everything here is fp32. With a quantized
-transport (``comm.bits`` < 32) the module's gradient is ``Q_down(Σ_i w_i deq(Q_up(Δ_i)))`` on every layout
-(``dipaco.comm``); ``weighted_sum`` is the one place where the terms are added.
+Module average (``module_average``, weights from ``module_weights``): ``Δ_m = Σ_i w_i Δ_i`` over the
+trainees whose path contains m, with ``w_i`` proportional to the trainee's training tokens and summing to
+1 over those trainees (DiPaCo Eq. 2-3); optionally rescaled by ``sqrt(#paths through m)`` (DiPaCo §2.7).
+Everything here is fp32. With a quantized transport (``comm.bits`` < 32) the module's gradient is
+``Q_down(Σ_i w_i deq(Q_up(Δ_i)))`` on every layout (``dipaco.comm``); ``module_average`` is the one place
+where the terms are added.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 
 
 def module_weights(trainee_modules: list[list[str]], trainee_sizes: list[float]) -> dict[str, dict[int, float]]:
-    """For every module: {trainee index: weight}, weights ∝ size and summing to 1 over the module's trainees."""
+    """For every module: {trainee index: w_i}, ``w_i = size_i / Σ_j size_j`` over the module's trainees j (so
+    they sum to 1; equal weights if every size is 0). ``trainee_modules[i]``: the modules of trainee i's path."""
     raw: dict[str, dict[int, float]] = {}
     for i, (modules, size) in enumerate(zip(trainee_modules, trainee_sizes)):
         for m in modules:
@@ -35,11 +37,14 @@ def outer_gradient(global_tensors: dict[str, torch.Tensor], local_tensors: dict[
 
 
 @torch.no_grad()
-def weighted_sum(vectors: dict[int, torch.Tensor], weights: dict[int, float]) -> torch.Tensor:
-    """Σ_i w_i·v_i in fp32, added in trainee-index order (``vectors``: trainee -> tensor, all one shape).
-    Every world reduces through this one function, so the same contributions give the same bits
-    whichever worker holds which trainee, and a reduce-scatter chunk sums to the same bits as that slice of
-    the whole vector."""
+def module_average(vectors: dict[int, torch.Tensor], weights: dict[int, float]) -> torch.Tensor:
+    """The weighted average of a module's outer gradients, ``Δ_m = Σ_i w_i·Δ_i`` in fp32, added in
+    trainee-index order (``vectors``: trainee -> Δ_i, all one shape; ``weights``: ``module_weights``'s w_i,
+    normalised over all the module's trainees: ``w_i = tokens_i / Σ_j tokens_j``, no division here).
+    Given a subset of the trainees it returns their share of the average (a worker's partial sum at
+    32 bits, added up by the holders). Every world reduces through this one function, so the same
+    contributions give the same bits whichever worker holds which trainee, and a reduce-scatter chunk
+    sums to the same bits as that slice of the whole vector."""
     order = sorted(vectors)
     total = torch.zeros_like(vectors[order[0]], dtype=torch.float32)
     for i in order:

@@ -1,4 +1,5 @@
-"""A trained run directory, read back: its config, grid, and any path's model at any round.
+"""A run: who trains what where (``Plan``), its directory's lifecycle while it trains (``RunDirectory``:
+preflight, resume checks, creation, round 0), and the trained directory read back (``Run``).
 
     RUN/config.toml     the resolved training config
     RUN/run.json        grid, vocabulary, the shard directory's fingerprint, trainees, versions
@@ -8,19 +9,190 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+import dipaco
 from dipaco import checkpoint
-from dipaco.config import TrainConfig, from_dict, read_toml
+from dipaco.config import TrainConfig, from_dict, read_toml, to_dict, to_toml
 from dipaco.errors import DipacoError
-from dipaco.grid import Grid
-from dipaco.io import read_json
+from dipaco.grid import Grid, format_grid, parse_grid
+from dipaco.io import atomic_write_text, read_json, write_json
 from dipaco.model import PathModel, llama_config
+from dipaco.outer import module_weights
+from dipaco.shards import ShardSet
 
 
 def build_grid(cfg: TrainConfig, shape: str) -> Grid:
     g = cfg.grid
     return Grid.build(shape, cfg.model.num_layers, g.level_sizes, g.private_blocks, g.private_embedding, g.private_head)
+
+
+# ------------------------------------------------------------------------------ the plan
+def plan_trainees(grid: Grid, shards: ShardSet, cfg: TrainConfig) -> list[tuple[str, list[str]]]:
+    """(grid path, shard paths it reads) for every trainee."""
+    if grid.shape == parse_grid(shards.grid):
+        return [(p, [p]) for p in shards.paths]
+    if grid.num_paths == 1:
+        if cfg.grid.replicas_per_shard:
+            return [(grid.paths[0], [p]) for p in shards.paths]
+        return [(grid.paths[0], shards.paths)]
+    raise DipacoError(f"training grid {format_grid(grid.shape)} does not match the shards' grid {shards.grid}; "
+                      f"leave grid.shape empty, use '1' for the dense baseline, or re-shard with --grid {format_grid(grid.shape)}")
+
+
+def assign(num_trainees: int, workers: int) -> list[int]:
+    """The rank of every trainee: contiguous runs, as even as possible."""
+    if workers > num_trainees:
+        raise DipacoError(f"{workers} workers but only {num_trainees} trainees; use at most {num_trainees} workers "
+                          f"(or more trainees: a larger grid or grid.replicas_per_shard)")
+    return [i * workers // num_trainees for i in range(num_trainees)]
+
+
+def trainee_size(shards: ShardSet, sources: list[str]) -> int:
+    return sum(shards.train_tokens(s) for s in sources)
+
+
+@dataclass
+class Plan:
+    """Every trainee's path, shards, rank and size (training tokens), and every module's weights
+    ``{module: {trainee: w_i}}`` in its outer-gradient average (``outer.module_weights``: ∝ size, sum 1)."""
+    trainees: list[tuple[str, list[str]]]
+    ranks: list[int]
+    sizes: list[int]
+    weights: dict[str, dict[int, float]]
+
+    @classmethod
+    def make(cls, cfg: TrainConfig, grid: Grid, shards: ShardSet, workers: int) -> "Plan":
+        trainees = plan_trainees(grid, shards, cfg)
+        ranks = assign(len(trainees), workers)
+        sizes = [trainee_size(shards, s) for _, s in trainees]
+        return cls(trainees, ranks, sizes, module_weights([grid.path_modules(p) for p, _ in trainees], sizes))
+
+    @property
+    def paths(self) -> list[str]:
+        return [p for p, _ in self.trainees]
+
+    def holders(self) -> dict[str, dict[int, int]]:
+        """{module: {trainee: rank}} over the module's trainees (``World.setup``)."""
+        return {m: {i: self.ranks[i] for i in ws} for m, ws in self.weights.items()}
+
+    def holder_ranks(self, module: str) -> list[int]:
+        return sorted({self.ranks[i] for i in self.weights[module]})
+
+    def validator_ranks(self) -> dict[str, int]:
+        """The rank that validates each path: the lowest rank training it."""
+        return {p: min(self.ranks[i] for i, q in enumerate(self.paths) if q == p) for p in self.paths}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DipacoError("device 'cuda' requested but CUDA is not available; use --device cpu or auto")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+# ------------------------------------------------------------------------------ the run directory's lifecycle
+def preflight(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume: bool, workers: int) -> None:
+    """Every check a worker would make on its inputs, made once before ``--workers`` launches torchrun, so that
+    bad input gets one line and exit code 2 instead of an error per worker and a launcher traceback."""
+    shards = ShardSet(shards_dir)
+    grid = build_grid(cfg, cfg.grid.shape or shards.grid)
+    assign(len(plan_trainees(grid, shards, cfg)), workers)
+    resolve_device(cfg.device)
+    RunDirectory(run_dir, cfg, shards).check(resume)
+    if cfg.init_from:
+        check_dense_source(cfg.init_from, shards)
+
+
+# inner_steps too: a round's global steps (r·H + 1 ...) and the trainees' step counters must keep lining up
+_COMPATIBLE_SECTIONS = ("model", "grid", "inner", "outer", "streaming", "seed", "inner_steps")
+
+
+class RunDirectory:
+    """The run directory of a training: checked (new, or resumable with --resume), created, and begun on
+    every worker (``begin``: the latest round restored, or round 0 written)."""
+
+    def __init__(self, root: str | Path, cfg: TrainConfig, shards: ShardSet):
+        self.root, self.cfg, self.shards = Path(root), cfg, shards
+
+    def check(self, resume: bool) -> int:
+        """The round the run would start from, or the error that says why it cannot (no side effects)."""
+        run_dir, cfg, shards = self.root, self.cfg, self.shards
+        latest = checkpoint.latest_round(run_dir) if run_dir.exists() else None
+        if latest is not None and not resume:
+            raise DipacoError(f"{run_dir} already holds a run (round {latest}); pass --resume to continue it or choose another --out")
+        if latest is None:
+            return 0
+        old = to_dict(from_dict(TrainConfig, read_toml(run_dir / "config.toml")))
+        new = to_dict(cfg)
+        for key in _COMPATIBLE_SECTIONS:
+            if old[key] != new[key]:
+                raise DipacoError(f"cannot resume {run_dir}: its config '{key}' differs from the one given; "
+                                  f"resume with the run's own config ({run_dir / 'config.toml'}) or train into a new --out")
+        info = read_json(run_dir / "run.json", "run description")
+        if info["shards_fingerprint"] != shards.fingerprint:
+            raise DipacoError(f"cannot resume {run_dir}: it was trained on other shards ({info['shards_dir']}); pass those --shards")
+        return latest
+
+    def schedule_steps(self) -> int:
+        """The lr schedule's length in inner steps, fixed when the run was created (run.json; runs made before it
+        was recorded: their config.toml, which is written once, at creation). Extending a run with --resume and
+        more --rounds does not stretch the cosine: the extra steps run at the final lr."""
+        info = read_json(self.root / "run.json", "run description")
+        if "schedule_steps" in info:
+            return int(info["schedule_steps"])
+        first = from_dict(TrainConfig, read_toml(self.root / "config.toml"))
+        return first.rounds * first.inner_steps
+
+    def create(self, grid: Grid, plan: Plan, workers: int, parameters: dict[str, int]) -> None:
+        """config.toml, run.json and an empty metrics.jsonl."""
+        cfg, shards = self.cfg, self.shards
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.root / "config.toml", to_toml(cfg))
+        write_json(self.root / "run.json", {
+            "grid": format_grid(grid.shape), "grid_detail": grid.describe(), "vocab_size": shards.vocab_size,
+            "eos_token_id": shards.eos_token_id, "shards_dir": str(shards.root.resolve()),
+            "shards_fingerprint": shards.fingerprint, "shards_grid": shards.grid,
+            "tokenizer_sha256": shards.manifest["tokenizer"]["sha256"],
+            "trainees": [{"path": p, "sources": s, "tokens": n, "worker": r}
+                         for (p, s), n, r in zip(plan.trainees, plan.sizes, plan.ranks)],
+            "workers": workers,
+            "schedule_steps": cfg.rounds * cfg.inner_steps,  # the lr schedule's length, kept when a run is extended
+            "parameters": parameters,
+            "versions": {"dipaco": dipaco.__version__, "torch": torch.__version__}})
+        (self.root / "metrics.jsonl").unlink(missing_ok=True)
+
+    def begin(self, resume: bool, world, grid: Grid, plan: Plan, worker, checkpointer: checkpoint.Checkpointer) -> tuple[int, int]:
+        """On every worker: rank 0 checks the directory (resume: drops half-written rounds) or creates it, and every
+        rank learns the round to start from and the lr schedule's length (or the error). A resumed ``worker``
+        (``dipaco.train.Worker``) restores its part of that round; a new run writes round 0."""
+        result = None
+        if world.rank == 0:
+            try:
+                start = self.check(resume)
+                if start:
+                    checkpoint.remove_partial_rounds(self.root)
+                else:
+                    self.create(grid, plan, world.size, worker.parameters)
+                result = (start, self.schedule_steps())
+            except DipacoError as exc:
+                result = exc
+        result = world.broadcast(result if world.rank == 0 else None)
+        if isinstance(result, DipacoError):
+            raise DipacoError(str(result))
+        start, schedule = result
+        worker.start(checkpointer.load(start, list(worker.modules), [tr.index for tr in worker.trainees]) if start else None)
+        if start == 0:
+            checkpointer.save(0, worker.part())
+        return start, schedule
+
+
+# ------------------------------------------------------------------------------ a run read back
 
 
 class Run:

@@ -18,8 +18,6 @@ F = 1, τ = 0, α = 0 is plain DiLoCo / DiPaCo (replace the local weights by the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from dipaco.model import component_of
@@ -61,15 +59,6 @@ def offsets(H: int, fragments: int) -> list[int]:
 def syncs_at(t: int, H: int, fragments: int) -> list[int]:
     """Fragments whose sync starts after global inner step ``t`` (t >= 1)."""
     return [f for f, o in enumerate(offsets(H, fragments)) if t >= o and (t - o) % H == 0] if t >= 1 else []
-
-
-@dataclass
-class Pending:
-    """A started reduction: fragment ``fragment`` synced after step ``started``, applied after ``apply_at``."""
-    fragment: int
-    started: int
-    apply_at: int
-    handle: object  # the transport's handle: .wait() -> {module: {name: reduced outer gradient}}
 
 
 @torch.no_grad()

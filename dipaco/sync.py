@@ -1,8 +1,14 @@
-"""Module synchronisation of one worker: when fragments sync, their outer gradients, the outer step, the merge.
+"""The outer sync of one worker's modules, in two phases after every inner step (``after_step``):
 
-No torch.distributed: reductions go through the world's ``start_reduce`` / ``wait`` (``dipaco.comm``),
-so this runs unchanged in a world of one (the plain round loop: F = 1, τ = 0, α = 0 syncs everything
-after the last inner step of a round and replaces the local weights by the new global ones).
+  ``prepare(t)``  the fragments due after global step t (``streaming.syncs_at``): every trainee's outer
+                  gradient ``Δ_i = θ_global − θ_i`` (``outer.outer_gradient``), and the world starts averaging
+                  them per module (``World.start_reduce`` -> ``outer.module_average``, in the background)
+  ``perform(t)``  the averages due at t (started τ steps earlier): wait, outer Nesterov step on the global
+                  weights (``outer.OuterOptimizer``), merge every local copy (``streaming.merge``)
+
+No torch.distributed: the world (``dipaco.comm.World``) carries the reductions, so this runs unchanged in a
+world of one. The plain round loop is F = 1, τ = 0, α = 0: everything syncs after the last inner step of a
+round and the local weights are replaced by the new global ones.
 
 Checkpoints and streaming: a round (H inner steps) ends with a checkpoint. A reduction still in flight
 then (started within the last τ steps) is waited for and its *reduced but not yet applied* outer
@@ -15,15 +21,30 @@ whenever they can differ from the global ones at a round boundary (F > 1, τ > 0
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from dipaco.comm import Handle, Ready, World
 from dipaco.outer import OuterOptimizer, outer_gradient, sqrt_rescale
-from dipaco.streaming import Pending, merge, split_fragments, syncs_at
+from dipaco.streaming import merge, split_fragments, syncs_at
+
+
+@dataclass
+class Pending:
+    """A started reduction: fragment ``fragment`` synced after step ``started``, applied after ``apply_at``."""
+    fragment: int
+    started: int
+    apply_at: int
+    handle: Handle
 
 
 class ModuleSync:
+    """``weights``: ``{module: {trainee: w_i}}`` over all of a module's trainees (``outer.module_weights``);
+    ``paths_through``: how many paths use each module (the √P rescaling)."""
+
     def __init__(self, cfg, modules: dict[str, dict[str, torch.Tensor]], outer: OuterOptimizer, trainees: list,
-                 weights: dict[str, dict[int, float]], paths_through: dict[str, int], world):
+                 weights: dict[str, dict[int, float]], paths_through: dict[str, int], world: World):
         s = cfg.streaming
         self.H, self.F, self.tau, self.alpha = cfg.inner_steps, s.fragments, s.overlap, s.alpha
         self.sqrt = cfg.grid.sqrt_rescale
@@ -42,20 +63,38 @@ class ModuleSync:
         return self.F > 1 or self.tau > 0 or self.alpha > 0
 
     def after_step(self, t: int) -> None:
-        """Call after global inner step t: start the fragments due, apply the reductions due."""
-        for f in syncs_at(t, self.H, self.F):
-            deltas = self._outer_gradients(f)
-            handle = self.world.start_reduce(deltas, {m: self.all_weights[m] for m in deltas})
-            self.pending.append(Pending(f, t, t + self.tau, handle))
-        for p in [p for p in self.pending if p.apply_at <= t]:
-            self._apply(p)
+        """Call after global inner step t (t = 1, 2, ...)."""
+        self.prepare(t)
+        self.perform(t)
 
     def flush(self) -> None:
-        for p in list(self.pending):
-            self._apply(p)
+        """Apply every reduction still in flight (the run's last round)."""
+        self.perform(None)
 
     @torch.no_grad()
-    def _outer_gradients(self, f: int) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
+    def prepare(self, t: int) -> None:
+        """Start the module averages of the fragments due after step t; they are applied at t + τ."""
+        for f in syncs_at(t, self.H, self.F):
+            deltas = self.outer_gradients(f)
+            handle = self.world.start_reduce(deltas, {m: self.all_weights[m] for m in deltas})
+            self.pending.append(Pending(f, t, t + self.tau, handle))
+
+    @torch.no_grad()
+    def perform(self, t: int | None) -> None:
+        """Apply the averages due at step t (all of them for None): outer step, then merge the local copies."""
+        for p in [p for p in self.pending if t is None or p.apply_at <= t]:
+            averaged = p.handle.wait()
+            self.pending.remove(p)
+            for m, grad in averaged.items():
+                if self.sqrt:
+                    sqrt_rescale(grad, self.paths_through[m])
+                self.outer.step(m, grad)
+                for i in self.weights[m]:
+                    local = self.trainees[i].model.params
+                    for n in grad:
+                        merge(local[n], self.modules[m][n], self.alpha)
+
+    def outer_gradients(self, f: int) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
         """{module: {trainee: Δ_i of fragment f}} for this worker's trainees (weighting and summing is the world's)."""
         deltas = {}
         for m, contributors in self.weights.items():
@@ -66,39 +105,18 @@ class ModuleSync:
             deltas[m] = {i: outer_gradient(glob, self.trainees[i].model.module_tensors(m)) for i in sorted(contributors)}
         return deltas
 
-    @torch.no_grad()
-    def _apply(self, p: Pending) -> None:
-        reduced = p.handle.wait()
-        self.pending.remove(p)
-        for m, grad in reduced.items():
-            if self.sqrt:
-                sqrt_rescale(grad, self.paths_through[m])
-            self.outer.step(m, grad)
-            for i in self.weights[m]:
-                local = self.trainees[i].model.params
-                for n in grad:
-                    merge(local[n], self.modules[m][n], self.alpha)
-
     # ------------------------------------------------------------------------------ checkpoints
     def state(self) -> list[dict]:
         """Pending reductions, completed (waited for) but not applied: [{fragment, started, apply_at, grads}]."""
         out = []
         for p in self.pending:
             result = p.handle.wait()
-            p.handle = _Ready(result)
+            p.handle = Ready(result)
             out.append({"fragment": p.fragment, "started": p.started, "apply_at": p.apply_at,
                         "grads": {m: {n: t.detach().cpu() for n, t in g.items()} for m, g in result.items()}})
         return out
 
     def load_state(self, pending: list[dict], device) -> None:
-        self.pending = [Pending(int(d["fragment"]), int(d["started"]), int(d["apply_at"]), _Ready(
+        self.pending = [Pending(int(d["fragment"]), int(d["started"]), int(d["apply_at"]), Ready(
             {m: {n: t.to(device) for n, t in g.items()} for m, g in d["grads"].items() if m in self.weights}))
             for d in pending]
-
-
-class _Ready:
-    def __init__(self, value):
-        self.value = value
-
-    def wait(self):
-        return self.value

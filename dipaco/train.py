@@ -1,16 +1,20 @@
 """The round loop: every trainee takes H inner AdamW steps, then every module takes one outer step.
 
+    for r in rounds:
+        for t in the round's H global steps:  worker.step(t)  (one AdamW step of every trainee)
+                                              sync.after_step(t)  (dipaco.sync: start the module averages
+                                              due after t, apply the ones due at t)
+        validate -> log the round -> checkpoint (dipaco.checkpoint.Checkpointer)
+
 A *trainee* is one path replica with its own data and its own AdamW state (kept across rounds).
 DiPaCo: one trainee per path on the path's shard. Dense baseline (grid '1'): one trainee on all
 shards pooled. DiLoCo (grid '1' + grid.replicas_per_shard): one trainee per shard, same path.
 
 Workers: with no launcher every trainee runs in this process (a world of one). Under torchrun the
-trainees are split into contiguous runs over the ranks (trainee i on rank ⌊i·N/T⌋); a worker builds
-only its trainees and holds only the modules their paths use. When modules sync is ``dipaco.sync``
-(plain rounds or Streaming DiLoCo fragments); the transport is ``dipaco.comm``. Checkpoints: every
-worker writes its trainees' states and the modules it is the lowest-rank holder of into the round's
-directory; rank 0 gathers the outer buffers, completes the round and writes metrics. The run directory
-must be shared by all workers (one machine, or a shared file system across nodes).
+trainees are split into contiguous runs over the ranks (``dipaco.run.Plan``); a worker builds only its
+trainees and holds only the modules their paths use. The transport is ``dipaco.comm``; the run
+directory's lifecycle (checks, creation, resume, round 0) is ``dipaco.run.RunDirectory``. The run
+directory must be shared by all workers (one machine, or a shared file system across nodes).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import math
 import os
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,18 +33,49 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-import dipaco
 from dipaco import checkpoint
-from dipaco.comm import make_world
-from dipaco.config import InnerConfig, TrainConfig, from_dict, read_toml, to_dict, to_toml
-from dipaco.errors import DipacoError
-from dipaco.grid import Grid, format_grid, parse_grid
-from dipaco.io import atomic_write_text, read_json, write_json
+from dipaco.comm import World, make_world
+from dipaco.config import InnerConfig, TrainConfig
+from dipaco.grid import Grid, format_grid
+from dipaco.io import write_json
 from dipaco.model import PathModel, count_parameters, init_modules, llama_config, new_model
-from dipaco.outer import OuterOptimizer, module_weights
-from dipaco.run import build_grid, check_dense_source, init_from_dense
-from dipaco.sync import ModuleSync
+from dipaco.outer import OuterOptimizer
+from dipaco.run import Plan, RunDirectory, build_grid, init_from_dense, resolve_device, trainee_size
+from dipaco.run import assign, preflight  # noqa: F401  (their old home: cli.py and tests import them from here)
 from dipaco.shards import BatchSampler, ShardSet
+from dipaco.sync import ModuleSync
+
+
+def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume: bool = False, progress: bool = True) -> dict:
+    """Train (or with ``resume`` continue) the run ``run_dir``: this process's share of it under torchrun."""
+    shards, run_dir = ShardSet(shards_dir), Path(run_dir)
+    grid = build_grid(cfg, cfg.grid.shape or shards.grid)
+    device = resolve_device(cfg.device)
+    resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted us
+    with closing(make_world(cfg, str(device))) as world:
+        torch.manual_seed(cfg.seed)
+        plan = Plan.make(cfg, grid, shards, world.size)
+        worker = Worker.build(cfg, shards, grid, plan, world, device)
+        validator = Validator(cfg, shards, grid, plan, world.rank, device)
+        checkpointer = checkpoint.Checkpointer(run_dir, world, list(plan.weights), plan.paths)
+        start, schedule = RunDirectory(run_dir, cfg, shards).begin(resume, world, grid, plan, worker, checkpointer)
+        log = RoundLog(run_dir, cfg, world, len(plan.trainees), max(0, cfg.rounds - start) * len(worker.trainees), progress)
+        H, sync = cfg.inner_steps, worker.sync
+        for r in range(start, cfg.rounds):
+            worker.begin_round()                              # this round's losses, clock and byte counters
+            for t in range(r * H + 1, (r + 1) * H + 1):
+                worker.step(t, schedule)                      # one AdamW step of every trainee
+                sync.after_step(t)                            # start the module averages due after t, apply those due at t
+                log.bar.update(len(worker.trainees))
+            if r + 1 == cfg.rounds:
+                sync.flush()                                  # the run's last round applies what is still in flight
+            log.round(r + 1, worker.round_report(), validator(worker.modules))
+            if (r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds:
+                checkpointer.save(r + 1, worker.part())
+        log.close()
+        write_worker_report(run_dir, worker, world)
+    return {"run": str(run_dir), "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(plan.trainees),
+            "workers": world.size}
 
 
 @dataclass
@@ -78,34 +114,6 @@ def _to_cpu(obj):
     return obj
 
 
-def plan_trainees(grid: Grid, shards: ShardSet, cfg: TrainConfig) -> list[tuple[str, list[str]]]:
-    """(grid path, shard paths it reads) for every trainee."""
-    if grid.shape == parse_grid(shards.grid):
-        return [(p, [p]) for p in shards.paths]
-    if grid.num_paths == 1:
-        if cfg.grid.replicas_per_shard:
-            return [(grid.paths[0], [p]) for p in shards.paths]
-        return [(grid.paths[0], shards.paths)]
-    raise DipacoError(f"training grid {format_grid(grid.shape)} does not match the shards' grid {shards.grid}; "
-                      f"leave grid.shape empty, use '1' for the dense baseline, or re-shard with --grid {format_grid(grid.shape)}")
-
-
-def assign(num_trainees: int, workers: int) -> list[int]:
-    """The rank of every trainee: contiguous runs, as even as possible."""
-    if workers > num_trainees:
-        raise DipacoError(f"{workers} workers but only {num_trainees} trainees; use at most {num_trainees} workers "
-                          f"(or more trainees: a larger grid or grid.replicas_per_shard)")
-    return [i * workers // num_trainees for i in range(num_trainees)]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise DipacoError("device 'cuda' requested but CUDA is not available; use --device cpu or auto")
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-
-
 def make_trainee(index, path, sources, grid, shards, cfg: TrainConfig, device=torch.device("cpu")) -> Trainee:
     model = PathModel(grid, path, llama_config(cfg.model, shards.vocab_size, shards.eos_token_id),
                       new_model(llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)).to(device))
@@ -122,8 +130,83 @@ def make_trainee(index, path, sources, grid, shards, cfg: TrainConfig, device=to
     return Trainee(index, path, sources, size, model, optimizer, sampler)
 
 
-def trainee_size(shards: ShardSet, sources: list[str]) -> int:
-    return sum(shards.train_tokens(s) for s in sources)
+class Worker:
+    """This worker's share of the run: its trainees, the global weights of the modules their paths use
+    (``modules``), and those modules' outer optimizer and sync; ``owned``: the modules it writes to a
+    checkpoint (it is their lowest-rank holder)."""
+
+    def __init__(self, cfg: TrainConfig, trainees: list[Trainee], modules: dict[str, dict[str, torch.Tensor]],
+                 outer: OuterOptimizer, sync: ModuleSync, owned: list[str], world: World, parameters: dict[str, int]):
+        self.cfg, self.trainees, self.modules, self.outer, self.sync = cfg, trainees, modules, outer, sync
+        self.owned, self.world, self.parameters = owned, world, parameters  # parameters: counts for run.json
+        self.device = next(iter(next(iter(modules.values())).values())).device
+
+    @classmethod
+    def build(cls, cfg: TrainConfig, shards: ShardSet, grid: Grid, plan: Plan, world: World, device: torch.device) -> "Worker":
+        mine = [i for i, r in enumerate(plan.ranks) if r == world.rank]
+        trainees = [make_trainee(i, *plan.trainees[i], grid, shards, cfg, device) for i in mine]
+        world.setup(plan.holders())
+        config = llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)
+        held = [m for m in plan.weights if world.rank in plan.holder_ranks(m)]
+        every = init_modules(grid, config, cfg.seed)
+        counts = {"total": count_parameters(every), "per_path": count_parameters(every, grid.path_modules(plan.paths[0]))}
+        modules = {m: t for m, t in every.items() if m in held}
+        del every
+        if cfg.init_from:
+            init_from_dense(modules, cfg.init_from, shards)
+        modules = {m: {n: t.to(device) for n, t in ts.items()} for m, ts in modules.items()}
+        outer = OuterOptimizer(modules, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
+        sync = ModuleSync(cfg, modules, outer, trainees, plan.weights, {m: len(grid.paths_through(m)) for m in modules}, world)
+        owned = [m for m in modules if plan.holder_ranks(m)[0] == world.rank]
+        return cls(cfg, trainees, modules, outer, sync, owned, world, counts)
+
+    def start(self, part: checkpoint.Part | None) -> None:
+        """Start from a checkpoint's part (resume), or from the initial global weights (None)."""
+        if part is not None:
+            for m, tensors in part.modules.items():
+                for n, t in tensors.items():
+                    self.modules[m][n].copy_(t)
+            self.outer.load_state_dict({k: v.to(self.device) for k, v in part.outer.items()})
+            for tr in self.trainees:
+                tr.load_state(part.trainees[tr.index])
+            self.sync.load_state(part.sync, self.device)
+        if part is None or not self.sync.keeps_local_weights:
+            for tr in self.trainees:  # a round starts from the global weights; AdamW state stays local
+                tr.model.load_modules(self.modules)
+
+    def begin_round(self) -> None:
+        self.began, self.before = time.perf_counter(), self.world.stats()  # cumulative: a reduction still in
+        self.compute, self.inner_logs = 0.0, []                            # flight counts in the round it ends in
+        self.step_losses: dict[int, list[torch.Tensor]] = {tr.index: [] for tr in self.trainees}
+        for tr in self.trainees:
+            tr.model.model.train()
+
+    def step(self, t: int, schedule_steps: int) -> None:
+        """Global inner step t of every trainee (lr from a schedule of ``schedule_steps`` steps)."""
+        tic = time.perf_counter()
+        for tr in self.trainees:
+            loss = inner_step(tr, self.cfg, schedule_steps)
+            self.step_losses[tr.index].append(loss)
+            if self.cfg.log_every and tr.step % self.cfg.log_every == 0:
+                self.inner_logs.append(dict(kind="inner", round=(t - 1) // self.cfg.inner_steps + 1, step=tr.step,
+                                            trainee=tr.index, path=tr.path, loss=loss,
+                                            lr=tr.optimizer.param_groups[0]["lr"]))
+        self.compute += time.perf_counter() - tic
+
+    def round_report(self) -> dict:
+        """This worker's report of the round so far (``RoundLog.round`` adds the time and bytes when it gathers)."""
+        losses = round_losses(self.step_losses, self.inner_logs, self.cfg.inner_steps)
+        return {"losses": losses, "inner": self.inner_logs, "compute_s": self.compute, "began": self.began,
+                "before": self.before}
+
+    def part(self) -> checkpoint.Part:
+        """This worker's share of a checkpoint (waits for the reductions in flight)."""
+        pending, outer = self.sync.state(), self.outer.state_dict()
+        return checkpoint.Part(
+            modules={m: self.modules[m] for m in self.owned},
+            trainees={tr.index: tr.state(self.sync.keeps_local_weights) for tr in self.trainees},
+            outer={k: v.detach().cpu() for k, v in outer.items() if k.split("/", 1)[0] in self.owned},
+            sync=[{**p, "grads": {m: g for m, g in p["grads"].items() if m in self.owned}} for p in pending])
 
 
 def lr_at(step: int, total: int, inner: InnerConfig) -> float:
@@ -189,265 +272,44 @@ def validate(modules, val_models: dict[str, PathModel], val_windows: dict[str, t
     return out
 
 
-# inner_steps too: a round's global steps (r·H + 1 ...) and the trainees' step counters must keep lining up
-_COMPATIBLE_SECTIONS = ("model", "grid", "inner", "outer", "streaming", "seed", "inner_steps")
+class Validator:
+    """Validation of the paths this worker validates (it is their lowest-rank trainer) on fixed windows."""
+
+    def __init__(self, cfg: TrainConfig, shards: ShardSet, grid: Grid, plan: Plan, rank: int, device: torch.device):
+        config = llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)
+        self.models = {p: PathModel(grid, p, config, new_model(config).to(device))
+                       for p, r in plan.validator_ranks().items() if r == rank}
+        self.windows = {p: fixed_windows([shards.tokens(s, "val") for q, sources in plan.trainees if q == p for s in sources],
+                                         cfg.val_batches * cfg.inner.batch_size, cfg.model.max_seq_len) for p in self.models}
+        self.batch_size, self.enabled = cfg.inner.batch_size, cfg.val_batches > 0
+
+    def __call__(self, modules) -> dict[str, float]:
+        return validate(modules, self.models, self.windows, self.batch_size) if self.enabled else {}
 
 
-def check_resumable(cfg: TrainConfig, run_dir: Path, resume: bool, shards: ShardSet) -> int:
-    """The round a run in ``run_dir`` would start from, or the error that says why it cannot (no side effects)."""
-    latest = checkpoint.latest_round(run_dir) if run_dir.exists() else None
-    if latest is not None and not resume:
-        raise DipacoError(f"{run_dir} already holds a run (round {latest}); pass --resume to continue it or choose another --out")
-    if latest is None:
-        return 0
-    old = to_dict(from_dict(TrainConfig, read_toml(run_dir / "config.toml")))
-    new = to_dict(cfg)
-    for key in _COMPATIBLE_SECTIONS:
-        if old[key] != new[key]:
-            raise DipacoError(f"cannot resume {run_dir}: its config '{key}' differs from the one given; "
-                              f"resume with the run's own config ({run_dir / 'config.toml'}) or train into a new --out")
-    info = read_json(run_dir / "run.json", "run description")
-    if info["shards_fingerprint"] != shards.fingerprint:
-        raise DipacoError(f"cannot resume {run_dir}: it was trained on other shards ({info['shards_dir']}); pass those --shards")
-    return latest
+class RoundLog:
+    """Every worker's round report, gathered to rank 0, which writes metrics.jsonl and the progress bar."""
 
+    def __init__(self, run_dir: Path, cfg: TrainConfig, world: World, num_trainees: int, rounds: int, progress: bool):
+        """``rounds``: the progress bar's length in rounds of this worker's trainees."""
+        self.cfg, self.world, self.num_trainees = cfg, world, num_trainees
+        self.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if world.rank == 0 else None
+        self.bar = tqdm(total=rounds * cfg.inner_steps, desc=f"train {run_dir.name}", unit="step",
+                        disable=not progress or world.rank != 0, dynamic_ncols=True, mininterval=1.0)
 
-def schedule_steps(run_dir: Path) -> int:
-    """The lr schedule's length in inner steps, fixed when the run was created (run.json; runs made before it
-    was recorded: their config.toml, which is written once, at creation). Extending a run with --resume and
-    more --rounds does not stretch the cosine: the extra steps run at the final lr."""
-    info = read_json(run_dir / "run.json", "run description")
-    if "schedule_steps" in info:
-        return int(info["schedule_steps"])
-    first = from_dict(TrainConfig, read_toml(run_dir / "config.toml"))
-    return first.rounds * first.inner_steps
+    def round(self, r: int, report: dict, val: dict[str, float]) -> None:
+        stats = self.world.stats()
+        reports = self.world.gather({"losses": report["losses"], "val": val, "inner": report["inner"],
+                                     "compute_s": report["compute_s"], "seconds": time.perf_counter() - report["began"],
+                                     **{k: v - report["before"][k] for k, v in stats.items()}})
+        if self.metrics is not None:
+            log_round(self.metrics, r, reports, self.cfg, self.num_trainees)
+            self.bar.set_postfix(round=r, loss=f"{sum(sum(p['losses'].values()) for p in reports) / self.num_trainees:.3f}")
 
-
-def prepare_run(cfg: TrainConfig, run_dir: Path, resume: bool, shards: ShardSet, grid: Grid) -> int:
-    """Check or create the run directory; return the round to start from."""
-    latest = check_resumable(cfg, run_dir, resume, shards)
-    if latest:
-        checkpoint.remove_partial_rounds(run_dir)
-    return latest
-
-
-def preflight(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume: bool, workers: int) -> None:
-    """Every check a worker would make on its inputs, made once before ``--workers`` launches torchrun, so that
-    bad input gets one line and exit code 2 instead of an error per worker and a launcher traceback."""
-    shards = ShardSet(shards_dir)
-    grid = build_grid(cfg, cfg.grid.shape or shards.grid)
-    assign(len(plan_trainees(grid, shards, cfg)), workers)
-    resolve_device(cfg.device)
-    check_resumable(cfg, Path(run_dir), resume, shards)
-    if cfg.init_from:
-        check_dense_source(cfg.init_from, shards)
-
-
-@dataclass
-class Setup:
-    """Everything a worker builds before its first round."""
-    grid: Grid
-    plan: list[tuple[str, list[str]]]   # every trainee's (path, sources), all ranks
-    ranks: list[int]                    # every trainee's rank
-    trainees: list[Trainee]             # this worker's trainees
-    weights: dict[str, dict[int, float]]
-    modules: dict[str, dict[str, torch.Tensor]]  # global weights of the modules this worker holds
-    outer: OuterOptimizer
-    sync: ModuleSync
-    val_models: dict[str, PathModel]    # paths this worker validates (it is their lowest-rank holder)
-    val_windows: dict[str, torch.Tensor]
-    param_counts: dict[str, int]
-
-
-def build(cfg: TrainConfig, shards: ShardSet, grid: Grid, world, device: torch.device) -> Setup:
-    torch.manual_seed(cfg.seed)
-    plan = plan_trainees(grid, shards, cfg)
-    ranks = assign(len(plan), world.size)
-    mine = [i for i, r in enumerate(ranks) if r == world.rank]
-    trainees = [make_trainee(i, *plan[i], grid, shards, cfg, device) for i in mine]
-    weights = module_weights([grid.path_modules(p) for p, _ in plan], [trainee_size(shards, s) for _, s in plan])
-    world.setup({m: {i: ranks[i] for i in ws} for m, ws in weights.items()})
-    config = llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)
-    held = [m for m, ws in weights.items() if any(ranks[i] == world.rank for i in ws)]
-    every = init_modules(grid, config, cfg.seed)
-    counts = {"total": count_parameters(every), "per_path": count_parameters(every, grid.path_modules(plan[0][0]))}
-    modules = {m: t for m, t in every.items() if m in held}
-    del every
-    if cfg.init_from:
-        init_from_dense(modules, cfg.init_from, shards)
-    modules = {m: {n: t.to(device) for n, t in ts.items()} for m, ts in modules.items()}
-    outer = OuterOptimizer(modules, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
-    sync = ModuleSync(cfg, modules, outer, trainees, weights, {m: len(grid.paths_through(m)) for m in modules}, world)
-    paths = {p: min(ranks[i] for i, (q, _) in enumerate(plan) if q == p) for p, _ in plan}
-    val_models = {p: PathModel(grid, p, config, new_model(config).to(device)) for p, r in paths.items() if r == world.rank}
-    val_windows = {p: fixed_windows([shards.tokens(s, "val") for q, sources in plan if q == p for s in sources],
-                                    cfg.val_batches * cfg.inner.batch_size, cfg.model.max_seq_len) for p in val_models}
-    return Setup(grid, plan, ranks, trainees, weights, modules, outer, sync, val_models, val_windows, counts)
-
-
-def write_run_info(cfg, run_dir: Path, shards: ShardSet, shards_dir, grid: Grid, su: Setup, world) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.toml", to_toml(cfg))
-    write_json(run_dir / "run.json", {
-        "grid": format_grid(grid.shape), "grid_detail": grid.describe(), "vocab_size": shards.vocab_size,
-        "eos_token_id": shards.eos_token_id, "shards_dir": str(Path(shards_dir).resolve()),
-        "shards_fingerprint": shards.fingerprint, "shards_grid": shards.grid,
-        "tokenizer_sha256": shards.manifest["tokenizer"]["sha256"],
-        "trainees": [{"path": p, "sources": s, "tokens": trainee_size(shards, s), "worker": r}
-                     for (p, s), r in zip(su.plan, su.ranks)],
-        "workers": world.size,
-        "schedule_steps": cfg.rounds * cfg.inner_steps,  # the lr schedule's length, kept when a run is extended
-        "parameters": su.param_counts,
-        "versions": {"dipaco": dipaco.__version__, "torch": torch.__version__}})
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-
-
-def start_round(cfg, run_dir: Path, resume: bool, shards: ShardSet, shards_dir, grid: Grid, su: Setup,
-                world) -> tuple[int, int]:
-    """Rank 0 checks (or creates) the run directory; every rank gets the round to start from and the lr
-    schedule's length (or the error)."""
-    result = None
-    if world.rank == 0:
-        try:
-            start = prepare_run(cfg, run_dir, resume, shards, grid)
-            if start == 0:
-                write_run_info(cfg, run_dir, shards, shards_dir, grid, su, world)
-            result = (start, schedule_steps(run_dir))
-        except DipacoError as exc:
-            result = exc
-    result = world.broadcast(result if world.rank == 0 else None)
-    if isinstance(result, DipacoError):
-        raise DipacoError(str(result))
-    result, total = result
-    if result > 0:
-        load_round(run_dir, result, su)
-    if result == 0 or not su.sync.keeps_local_weights:
-        for tr in su.trainees:  # a round starts from the global weights; AdamW state stays local
-            tr.model.load_modules(su.modules)
-    if result == 0:
-        save_round(run_dir, 0, su, world)
-    return result, total
-
-
-def load_round(run_dir: Path, r: int, su: Setup) -> None:
-    device = next(iter(next(iter(su.modules.values())).values())).device
-    for m, tensors in checkpoint.load_modules(run_dir, r, list(su.modules)).items():
-        for n, t in tensors.items():
-            su.modules[m][n].copy_(t)
-    outer_state, trainee_states, _ = checkpoint.load_state(run_dir, r, [tr.index for tr in su.trainees])
-    su.outer.load_state_dict({k: v.to(device) for k, v in outer_state.items() if k.split("/", 1)[0] in su.modules})
-    for tr, state in zip(su.trainees, trainee_states):
-        tr.load_state(state)
-    su.sync.load_state(checkpoint.load_sync(run_dir, r), device)
-
-
-def save_round(run_dir: Path, r: int, su: Setup, world) -> None:
-    """Every worker writes its trainees' states and the modules it is the lowest-rank holder of straight into
-    the round's temporary directory (made by rank 0); rank 0 gathers the small rest (outer buffers, streamed
-    reductions), completes the round and moves ``latest``; every rank learns whether that worked."""
-    owned = [m for m in su.modules if _holders(su, m)[0] == world.rank]
-    pending = su.sync.state()  # waits for reductions still in flight
-    tmp = world.broadcast(_attempt(lambda: str(checkpoint.begin_round(run_dir, r))) if world.rank == 0 else None)
-    error = tmp if isinstance(tmp, DipacoError) else _attempt(lambda: _write_part(Path(tmp), su, owned), world.rank)
-    outer = su.outer.state_dict()
-    part = {"error": error,
-            "outer": {k: v.detach().cpu() for k, v in outer.items() if k.split("/", 1)[0] in owned},
-            "sync": [{**p, "grads": {m: g for m, g in p["grads"].items() if m in owned}} for p in pending]}
-    parts = world.gather(part)
-    outcome = None
-    if world.rank == 0:
-        outcome = next((p["error"] for p in parts if isinstance(p["error"], DipacoError)), None)
-        if outcome is None:
-            outcome = _attempt(lambda: _finish(run_dir, r, Path(tmp), su, parts))
-        if isinstance(outcome, DipacoError) and not isinstance(tmp, DipacoError):
-            checkpoint.abort_round(Path(tmp))
-    outcome = world.broadcast(outcome)
-    if isinstance(outcome, DipacoError):
-        raise DipacoError(str(outcome))
-
-
-def _attempt(fn, rank: int = 0):
-    """fn()'s result, or its exception as a DipacoError (to pass to the other ranks instead of hanging them)."""
-    try:
-        return fn()
-    except DipacoError as exc:
-        return exc
-    except Exception as exc:
-        return DipacoError(f"writing the checkpoint failed on worker {rank}: {type(exc).__name__}: {exc}")
-
-
-def _write_part(tmp: Path, su: Setup, owned: list[str]) -> None:
-    checkpoint.write_modules(tmp, {m: su.modules[m] for m in owned})
-    checkpoint.write_trainees(tmp, {tr.index: tr.state(su.sync.keeps_local_weights) for tr in su.trainees})
-
-
-def _finish(run_dir: Path, r: int, tmp: Path, su: Setup, parts: list[dict]) -> None:
-    outer_state = {k: v for p in parts for k, v in p["outer"].items()}
-    pending = {}
-    for p in parts:
-        for d in p["sync"]:
-            pending.setdefault((d["started"], d["fragment"]), {**d, "grads": {}})["grads"].update(d["grads"])
-    checkpoint.finish_round(run_dir, r, tmp, list(su.weights), outer_state, len(su.plan),
-                            {"trainee_paths": [p for p, _ in su.plan]}, [pending[k] for k in sorted(pending)])
-
-
-def _holders(su: Setup, m: str) -> list[int]:
-    return sorted({su.ranks[i] for i in su.weights[m]})
-
-
-def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume: bool = False, progress: bool = True) -> dict:
-    shards, run_dir = ShardSet(shards_dir), Path(run_dir)
-    grid = build_grid(cfg, cfg.grid.shape or shards.grid)
-    device = resolve_device(cfg.device)
-    resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted us
-    world = make_world(cfg, str(device))
-    try:
-        return _train(cfg, shards, shards_dir, run_dir, resume, progress, grid, device, world)
-    finally:
-        world.close()
-
-
-def _train(cfg, shards, shards_dir, run_dir, resume, progress, grid, device, world) -> dict:
-    su = build(cfg, shards, grid, world, device)
-    start, total = start_round(cfg, run_dir, resume, shards, shards_dir, grid, su, world)  # total: lr schedule steps
-    H = cfg.inner_steps
-    metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if world.rank == 0 else None
-    bar = tqdm(total=max(0, cfg.rounds - start) * H * len(su.trainees), desc=f"train {run_dir.name}", unit="step",
-               disable=not progress or world.rank != 0, dynamic_ncols=True, mininterval=1.0)
-    for r in range(start, cfg.rounds):
-        began, compute, step_losses, inner_logs = time.perf_counter(), 0.0, {tr.index: [] for tr in su.trainees}, []
-        before = world.stats()  # cumulative: a reduction still in flight is counted in the round it ends in
-        for tr in su.trainees:
-            tr.model.model.train()
-        for t in range(r * H + 1, (r + 1) * H + 1):
-            tic = time.perf_counter()
-            for tr in su.trainees:
-                loss = inner_step(tr, cfg, total)
-                step_losses[tr.index].append(loss)
-                if cfg.log_every and tr.step % cfg.log_every == 0:
-                    inner_logs.append(dict(kind="inner", round=r + 1, step=tr.step, trainee=tr.index, path=tr.path,
-                                           loss=loss, lr=tr.optimizer.param_groups[0]["lr"]))
-            bar.update(len(su.trainees))
-            compute += time.perf_counter() - tic
-            su.sync.after_step(t)
-        if r + 1 == cfg.rounds:
-            su.sync.flush()
-        losses = round_losses(step_losses, inner_logs, H)
-        val = validate(su.modules, su.val_models, su.val_windows, cfg.inner.batch_size) if cfg.val_batches else {}
-        report = world.gather({"losses": losses, "val": val, "inner": inner_logs, "compute_s": compute,
-                               "seconds": time.perf_counter() - began,
-                               **{k: v - before[k] for k, v in world.stats().items()}})
-        if metrics is not None:
-            log_round(metrics, r + 1, report, cfg, len(su.plan))
-            bar.set_postfix(round=r + 1, loss=f"{sum(sum(p['losses'].values()) for p in report) / len(su.plan):.3f}")
-        if (r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds:
-            save_round(run_dir, r + 1, su, world)
-    bar.close()
-    if metrics is not None:
-        metrics.close()
-    write_worker_report(run_dir, su, world)
-    return {"run": str(run_dir), "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(su.plan),
-            "workers": world.size}
+    def close(self) -> None:
+        self.bar.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 def round_losses(step_losses: dict[int, list[torch.Tensor]], inner_logs: list[dict], H: int) -> dict[int, float]:
@@ -465,14 +327,14 @@ def round_losses(step_losses: dict[int, list[torch.Tensor]], inner_logs: list[di
     return losses
 
 
-def write_worker_report(run_dir: Path, su: Setup, world) -> None:
+def write_worker_report(run_dir: Path, worker: Worker, world: World) -> None:
     """RUN/workers/rank_<r>.json: this worker's trainees, the modules it holds (with a digest of their
     final global weights, equal on all holders) and the bytes it exchanged per module."""
     digests = {m: hashlib.sha256(b"".join(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-                                          for t in ts.values())).hexdigest() for m, ts in su.modules.items()}
+                                          for t in ts.values())).hexdigest() for m, ts in worker.modules.items()}
     (run_dir / "workers").mkdir(parents=True, exist_ok=True)
     write_json(run_dir / "workers" / f"rank_{world.rank}.json", {
-        "rank": world.rank, "workers": world.size, "trainees": [tr.index for tr in su.trainees],
+        "rank": world.rank, "workers": world.size, "trainees": [tr.index for tr in worker.trainees],
         "modules": digests, "module_bytes": world.module_bytes})
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from dipaco.outer import OuterOptimizer, module_weights, outer_gradient, weighted_sum
+from dipaco.outer import OuterOptimizer, module_average, module_weights, outer_gradient
 
 
 def test_module_weights_follow_shard_sizes_per_module():
@@ -18,7 +18,7 @@ def test_one_outer_step_on_two_trainees_by_hand():
     trainee_b = {"w": torch.tensor([1.0, 0.0])}  # Δ_b = [0, 2]
     weights = module_weights([["m"], ["m"]], [1, 3])  # w_a = 0.25, w_b = 0.75
     deltas = {0: outer_gradient(global_["m"], trainee_a)["w"], 1: outer_gradient(global_["m"], trainee_b)["w"]}
-    grad = {"w": weighted_sum(deltas, weights["m"])}
+    grad = {"w": module_average(deltas, weights["m"])}
     assert torch.allclose(grad["w"], torch.tensor([0.25, 1.5]))
     opt = OuterOptimizer(global_, lr=0.7, momentum=0.9, nesterov=True)
     opt.step("m", grad)
