@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from dipaco.errors import DipacoError
+from dipaco.outputs import check_out_dir, check_out_file, check_writable, os_error_line
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -26,11 +29,17 @@ def cmd_shard(args) -> None:
         "routing.features": args.features, "routing.feature_model": args.feature_model,
         "routing.spherical": args.spherical, "routing.fit_sample": args.fit_sample, "routing.assign": args.assign,
         "routing.cluster_on": args.cluster_on, "routing.prefix_tokens": args.prefix_tokens})
+    check_out_dir(args.out, "shards", inputs={"--data": args.data, "--tokenizer": args.tokenizer, "--config": args.config,
+                                              "--feature-model": cfg.routing.feature_model}, overwrite=args.overwrite)
     manifest = shard(args.data, cfg, args.out, args.tokenizer, args.overwrite, progress=not args.quiet)
     print(f"wrote {args.out} in {manifest['seconds']:.1f} s: {manifest['train_documents']} training, "
           f"{manifest['heldout_documents']} held-out and {manifest['router_documents']} router documents on grid "
           f"{manifest['grid']}, vocabulary {manifest['vocab_size']}; dropped {manifest['dropped']}, "
           f"truncated {manifest['truncated']}, invalid UTF-8 replaced in {manifest['invalid_utf8']}")
+    skipped = manifest["skipped_files"]
+    if skipped["count"]:
+        print(f"skipped {skipped['count']} files of unknown type in the --data directories (e.g. "
+              f"{', '.join(skipped['examples'][:3])}); manifest.json counts them under skipped_files")
     print_paths(manifest)
     pur = purity(manifest["labels_per_path"])["overall"]
     if pur is not None:
@@ -63,6 +72,7 @@ def print_paths(manifest: dict) -> None:
 def cmd_reshard(args) -> None:
     from dipaco.sharding.reshard import reshard
 
+    check_out_dir(args.out, "shards", inputs={"--run": args.run, "--shards": args.shards}, overwrite=args.overwrite)
     report = reshard(args.run, args.shards, args.out, target=args.target, holdout_fraction=args.holdout_fraction,
                      max_tokens=args.max_tokens, seed=args.seed, at_round=args.round, overwrite=args.overwrite,
                      progress=not args.quiet)
@@ -74,11 +84,15 @@ def cmd_reshard(args) -> None:
 
 
 def cmd_inspect(args) -> None:
-    from pathlib import Path
-
     from dipaco.sharding.inspect_shards import format_summary, inspect
 
-    png = args.png or f"{Path(args.shards).resolve().name}-paths.png"
+    default = f"{Path(args.shards).resolve().name}-paths.png"
+    png = Path(args.png or default)
+    if png.is_dir():  # a folder gets the default name inside it
+        png = png / default
+    if png.suffix.lower() != ".png":
+        raise DipacoError(f"--png {args.png}: the plot is a PNG; give a file name ending in .png, or a directory")
+    check_out_file(png, "--png")
     summary = inspect(args.shards, png, args.terms)
     if args.json:
         print(json.dumps(summary, indent=1))
@@ -95,17 +109,19 @@ def cmd_train(args) -> None:
         "seed": args.seed, "device": args.device, "init_from": args.init_from, "comm.bits": args.bits,
         "streaming.fragments": args.fragments, "streaming.overlap": args.overlap, "streaming.alpha": args.alpha,
         "comm.simulate_mbit": args.simulate_bandwidth, "comm.simulate_latency_ms": args.simulate_latency})
+    if args.workers is not None and args.workers < 1:  # 0 too: it is not "no workers", it is nonsense
+        raise DipacoError(f"--workers must be >= 1, got {args.workers}")
+    if "RANK" not in os.environ:  # torchrun's workers were checked by the process that launched them
+        # --out is a new or empty directory or a dipaco run (train decides about --resume), never an input
+        check_out_dir(args.out, "run", inputs={"--shards": args.shards, "--init-from": cfg.init_from,
+                                               "--config": args.config})
     if args.workers:
         from dipaco.launch import launch_local
         from dipaco.train import preflight
 
-        if args.workers < 1:
-            raise DipacoError(f"--workers must be >= 1, got {args.workers}")
         preflight(cfg, args.shards, args.out, args.resume, args.workers)  # bad input: exit code 2, no worker started
         return launch_local(args.workers, _without_workers(args.argv), args.max_restarts)
     summary = train(cfg, args.shards, args.out, resume=args.resume, progress=not args.quiet)
-    import os
-
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(summary))
 
@@ -124,15 +140,22 @@ def _without_workers(argv: list[str]) -> list[str]:
 
 def cmd_eval(args) -> None:
     from dipaco.eval.perplexity import evaluate
-    from dipaco.eval.report import markdown_table, write_report
+    from dipaco.eval.report import beside, markdown_table, write_report
 
+    out = Path(args.out)
+    if out.suffix.lower() != ".json" and not out.is_dir():
+        raise DipacoError(f"--out {out}: the report is JSON; give a file name ending in .json (report.md and plots go beside it)")
+    check_out_file(out, "--out", beside(out))
+    if args.mixture is not None and args.mixture < 2:
+        raise DipacoError(f"--mixture {args.mixture}: a mixture needs K >= 2 paths (K = 1 is the routed row); "
+                          f"leave --mixture out for no mixture row")
     runs = {}
     for spec in args.run:
         name, _, path = spec.rpartition("=")
         runs[name or path.rstrip("/").split("/")[-1]] = path
     report = evaluate(runs, args.shards, args.round, progress=not args.quiet, baseline=args.baseline,
                       route_every=args.route_every, oracle=not args.no_oracle, random=not args.no_random,
-                      early_stopping=args.early_stopping, mixture=args.mixture, temperature=args.temperature,
+                      early_stopping=args.early_stopping, mixture=args.mixture or 0, temperature=args.temperature,
                       seed=args.seed, split=args.split)
     files = write_report(report, args.out)
     print(markdown_table(report))
@@ -143,12 +166,10 @@ def cmd_generate(args) -> None:
     from dipaco.eval.api import load
     from dipaco.eval.generate import generate
 
+    if args.mixture is not None and args.mixture < 2:
+        raise DipacoError(f"--mixture {args.mixture}: a mixture needs K >= 2 paths; leave --mixture out for one path")
     if args.prompts_file:
-        try:
-            with open(args.prompts_file, encoding="utf-8") as f:
-                prompts = [line.rstrip("\n") for line in f if line.strip()]
-        except OSError as exc:
-            raise DipacoError(f"cannot read --prompts-file {args.prompts_file} ({exc.strerror}); give a text file, one prompt a line")
+        prompts = read_prompts(args.prompts_file)
     else:  # words given without quotes form one prompt
         prompts = [" ".join(args.prompt)] if args.prompt else []
     if not prompts:
@@ -156,12 +177,15 @@ def cmd_generate(args) -> None:
     rr = load(args.run, args.shards)
     for prompt in prompts:
         g = generate(rr, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                     seed=args.seed, round=args.round, mixture=args.mixture, mixture_temperature=args.mixture_temperature,
+                     seed=args.seed, round=args.round, mixture=args.mixture or 0, mixture_temperature=args.mixture_temperature,
                      path=rr.check_path(args.path) if args.path else None, route_every=args.route_every)
         if g.segments and len(g.segments) > 1:
             paths = " -> ".join(f"{p} ({n} tokens)" for p, n in g.segments)
         else:
             paths = ", ".join(p if len(g.paths) == 1 else f"{p} (w={w:.3f})" for p, w in g.paths)
+        if g.prompt_cut:
+            print(f"# the prompt is longer than the model's {g.max_seq_len} tokens: kept its last {g.prompt_tokens} "
+                  f"tokens ({g.prompt_cut} dropped); routing still read its first tokens", file=sys.stderr)
         print(f"# routing: {g.router}", file=sys.stderr)
         print(f"# path {paths}: loaded {g.bytes_loaded / 1e6:.2f} MB of {g.bytes_total / 1e6:.2f} MB "
               f"({100 * g.bytes_loaded / g.bytes_total:.0f}% of the model), {g.new_tokens} new tokens", file=sys.stderr)
@@ -170,9 +194,30 @@ def cmd_generate(args) -> None:
             print()
 
 
+def read_prompts(path: str) -> list[str]:
+    """The non-blank lines of a UTF-8 text file; anything else is one clear line."""
+    from dipaco.sharding.sources import sniff_binary
+
+    hint = "give a UTF-8 text file, one prompt a line"
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise DipacoError(f"cannot read --prompts-file {path} ({exc.strerror}); {hint}") from None
+    what = sniff_binary(raw[:8192])
+    if what:
+        raise DipacoError(f"--prompts-file {path} looks binary ({what}), not text; {hint}")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise DipacoError(f"--prompts-file {path} is not valid UTF-8 (line {line}); {hint}") from None
+    return [line for line in text.splitlines() if line.strip()]
+
+
 def cmd_fit_window_router(args) -> None:
     from dipaco.eval.window_router import fit_window_router
 
+    check_writable(Path(args.run) / "window_routers" / f"w{args.window}", "--run")
     rep = fit_window_router(args.run, args.shards, args.window, args.round, args.max_tokens, args.holdout_fraction,
                             args.seed, args.overwrite, progress=not args.quiet)
     print(f"wrote {rep['out']}: {rep['examples']} windows of {rep['window']} tokens from {rep['router_documents']} router "
@@ -192,6 +237,7 @@ def cmd_export(args) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
+    check_out_dir(args.out, "export", inputs={"--run": args.run, "--shards": args.shards}, overwrite=args.overwrite)
     rr = load(args.run, args.shards)
     out = rr.export(rr.check_path(args.path), args.out, args.round, args.overwrite)
     loaded, total = rr.bytes_of([args.path], args.round)
@@ -202,6 +248,7 @@ def cmd_export(args) -> None:
 def cmd_quickstart(args) -> None:
     from dipaco.quickstart import quickstart
 
+    check_out_dir(args.out, "quickstart")
     quickstart(args.out, args.rounds, args.inner_steps, args.preset, args.overrides, progress=not args.quiet)
 
 
@@ -232,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap", type=int, help="training documents go to their n nearest paths (paper: 2); default 1")
     p.add_argument("--num-proc", type=int, help="tokenizer/feature threads (default: all cores)")
     p.add_argument("--tokenizer", help="use this Hugging Face tokenizer directory instead of training one")
-    p.add_argument("--vocab-size", type=int, help="vocabulary of the trained tokenizer")
+    p.add_argument("--vocab-size", type=int, help="vocabulary of the trained tokenizer (>= 300; default 8192)")
     p.add_argument("--seed", type=int)
     p.add_argument("--overwrite", action="store_true", help="replace --out once the new shards are complete")
     _config_args(p)
@@ -272,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also re-route every W tokens using the previous window (repeatable)")
     p.add_argument("--early-stopping", action="store_true",
                    help="also evaluate each path at its round of lowest validation loss (metrics.jsonl)")
-    p.add_argument("--mixture", type=int, default=0, metavar="K", help="also score a c-BTM mixture of the K nearest paths")
+    p.add_argument("--mixture", type=int, metavar="K",
+                   help="also score a c-BTM mixture of the K nearest paths (2 <= K <= paths)")
     p.add_argument("--temperature", type=float, default=0.1, help="mixture weights softmax(-d^2/T) (default 0.1)")
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle row (it scores every path on every document)")
     p.add_argument("--no-random", action="store_true", help="skip the random-routing row")
@@ -293,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--round", type=int, help="checkpoint round (default latest)")
     p.add_argument("--path", help="use this path instead of routing")
-    p.add_argument("--mixture", type=int, default=0, metavar="K", help="mix the K nearest paths (c-BTM)")
+    p.add_argument("--mixture", type=int, metavar="K", help="mix the K nearest paths (c-BTM; 2 <= K <= paths)")
     p.add_argument("--mixture-temperature", type=float, default=0.1, help="mixture weights softmax(-d^2/T)")
     p.add_argument("--route-every", type=int, metavar="W",
                    help="re-route after every W new tokens (the run's window router for W, else the shard router); "
@@ -336,13 +384,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="per-path summary of a shard directory and a PNG of path sizes")
     p.add_argument("shards", help="shard directory")
-    p.add_argument("--png", help="where to write the plot (default ./<shards name>-paths.png)")
+    p.add_argument("--png", help="where to write the plot: a .png file, or a directory to write <shards name>-paths.png "
+                   "in (default ./<shards name>-paths.png)")
     p.add_argument("--terms", type=int, default=8, help="top terms per path (tf-idf routers)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("quickstart", help="the whole pipeline on an embedded default corpus, offline")
-    p.add_argument("--out", default="dipaco-quickstart", help="output directory (re-running continues there)")
+    p.add_argument("--out", default="dipaco-quickstart",
+                   help="output directory, new or empty (re-running continues in a quickstart directory)")
     p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
@@ -362,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
         rc = args.func(args)
     except DipacoError as exc:
         print(f"dipaco {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file-system error the checks could not foresee (disk full, a race): one line too
+        print(f"dipaco {args.command}: error: {os_error_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"dipaco {args.command}: interrupted; completed outputs are kept", file=sys.stderr)

@@ -465,9 +465,9 @@ def validate(cfg) -> None:
     if isinstance(cfg, ShardConfig):
         fraction("data.heldout_fraction", cfg.data.heldout_fraction)
         fraction("data.val_fraction", cfg.data.val_fraction)
-        positive("tokenizer.vocab_size", cfg.tokenizer.vocab_size)
-        if cfg.tokenizer.vocab_size < 300:
-            raise DipacoError("config: 'tokenizer.vocab_size' must be >= 300 (256 bytes + merges + special tokens)")
+        if cfg.tokenizer.vocab_size < 300:  # one bound, the one --vocab-size's help names
+            raise DipacoError(f"config: 'tokenizer.vocab_size' must be >= 300 (256 bytes + merges + special tokens), "
+                              f"got {cfg.tokenizer.vocab_size}")
         positive("routing.svd_dims", cfg.routing.svd_dims)
         r, d = cfg.routing, cfg.data
         if r.assign not in ("kmeans", "random"):

@@ -17,11 +17,16 @@ def atomic_dir(final: str | Path, overwrite: bool = False):
     """Yield a temporary directory that becomes ``final`` only if the block completes.
 
     On any exception the temporary directory is removed and ``final`` is untouched. An existing
-    ``final`` is an error unless ``overwrite``; then it is replaced only after the new one is whole.
+    ``final`` is an error unless ``overwrite``; then it is replaced only after the new one is whole, and
+    only when it is empty or dipaco wrote it (never a user's directory or file).
     """
+    from dipaco.outputs import check_replaceable
+
     final = Path(final)
     if final.exists() and not overwrite:
         raise DipacoError(f"{final} already exists; choose another output path or pass --overwrite")
+    if final.exists():
+        check_replaceable(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     if tmp.exists():
@@ -29,19 +34,28 @@ def atomic_dir(final: str | Path, overwrite: bool = False):
     tmp.mkdir()
     try:
         yield tmp
+        commit_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    commit_dir(tmp, final)
 
 
 def commit_dir(tmp: str | Path, final: str | Path) -> None:
-    """Rename a complete temporary directory to ``final`` (replacing an existing one only now)."""
+    """Rename a complete temporary directory to ``final`` (replacing an existing one only now).
+
+    The old ``final`` is moved aside first and put back if the rename fails, so a failure leaves the old
+    directory in place and no ``.old`` copy behind."""
     tmp, final = Path(tmp), Path(final)
     if final.exists():
+        if not final.is_dir():  # never replace a file with a directory (checked before; a race or a library call)
+            raise DipacoError(f"{final} is a file, not a directory; choose another output path")
         old = final.parent / f".{final.name}.old-{os.getpid()}"
         os.replace(final, old)
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            os.replace(old, final)
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
@@ -49,14 +63,18 @@ def commit_dir(tmp: str | Path, final: str | Path) -> None:
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write a file under a temporary name, then rename it into place."""
+    """Write a file under a temporary name, then rename it into place (the temporary file never stays)."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json(path: str | Path, obj) -> None:

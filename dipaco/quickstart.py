@@ -10,10 +10,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import dipaco
 from dipaco import checkpoint
 from dipaco.config import ShardConfig, TrainConfig, resolve
 from dipaco.eval.perplexity import evaluate
 from dipaco.eval.report import markdown_table, write_report
+from dipaco.io import write_json
+from dipaco.outputs import QUICKSTART_MARKER, check_out_dir
 from dipaco.sharding.sources import write_default_corpus
 from dipaco.sharding.writer import purity, shard
 from dipaco.shards import ShardSet
@@ -30,9 +33,16 @@ def _train_if_needed(cfg: TrainConfig, shards: Path, run: Path, progress: bool) 
 
 def quickstart(out: str | Path = "dipaco-quickstart", rounds: int = 16, inner_steps: int = 50, preset: str = "tiny",
                overrides: list[str] = (), progress: bool = True, budget_per_kind: int = 1_500_000) -> dict:
-    began = time.perf_counter()
-    out = Path(out)
+    began, out = time.perf_counter(), Path(out)
+    # every setting and the output directory are checked before the corpus is built: bad input fails in a second
+    shard_cfg = resolve(ShardConfig, overrides=["grid=\"2x2\"", "tokenizer.vocab_size=4096", "routing.balance=1.1"])
+    flags = {"preset": preset, "rounds": rounds, "inner_steps": inner_steps}
+    runs = {"dipaco-2x2": (out / "runs" / "dipaco-2x2", []), "dense": (out / "runs" / "dense", ["grid.shape=\"1\""])}
+    cfgs = {name: resolve(TrainConfig, overrides=list(overrides) + extra, flags=flags) for name, (_, extra) in runs.items()}
+    check_out_dir(out, "quickstart")  # new, empty, or a quickstart directory (re-running continues there)
     out.mkdir(parents=True, exist_ok=True)
+    if not (out / QUICKSTART_MARKER).exists():
+        write_json(out / QUICKSTART_MARKER, {"format": "dipaco-quickstart", "dipaco_version": dipaco.__version__})
     corpus, shards = out / "corpus.jsonl", out / "shards"
 
     print(f"[1/4] default corpus -> {corpus}")
@@ -42,18 +52,15 @@ def quickstart(out: str | Path = "dipaco-quickstart", rounds: int = 16, inner_st
 
     print(f"[2/4] shard on a 2x2 grid -> {shards}")
     if not (shards / "manifest.json").exists():
-        shard_cfg = resolve(ShardConfig, overrides=["grid=\"2x2\"", "tokenizer.vocab_size=4096", "routing.balance=1.1"])
         manifest = shard([str(corpus)], shard_cfg, shards, progress=progress)
     else:
         manifest = ShardSet(shards).manifest
     sizes = ", ".join(f"{p}: {s['train_docs']} docs" for p, s in manifest["paths"].items())
     print(f"  paths: {sizes}; label purity {purity(manifest['labels_per_path'])['overall']:.2f}")
 
-    flags = {"preset": preset, "rounds": rounds, "inner_steps": inner_steps}
-    runs = {"dipaco-2x2": (out / "runs" / "dipaco-2x2", []), "dense": (out / "runs" / "dense", ["grid.shape=\"1\""])}
-    for i, (name, (run, extra)) in enumerate(runs.items()):
+    for name, (run, _) in runs.items():
         print(f"[3/4] train {name} -> {run}")
-        _train_if_needed(resolve(TrainConfig, overrides=list(overrides) + extra, flags=flags), shards, run, progress)
+        _train_if_needed(cfgs[name], shards, run, progress)
 
     print(f"[4/4] evaluate on the held-out documents -> {out / 'report.json'}")
     report = evaluate({name: run for name, (run, _) in runs.items()}, shards, progress=progress)

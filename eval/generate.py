@@ -7,7 +7,7 @@ softmax(-d^2 / T) of the router distances; it runs its own decoding loop (one KV
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,13 +26,25 @@ class Generation:
     new_tokens: int = 0
     segments: list[tuple[str, int]] | None = None  # re-routing every W tokens: (path, new tokens) in order
     router: str = "shard router on the prompt's first tokens"
+    prompt_cut: int = 0            # tokens dropped from the start of a prompt longer than the model's window
+    prompt_tokens: int = 0         # prompt tokens the model read
+    max_seq_len: int = 0
 
 
-def _prompt_ids(rr: RoutedRun, prompt: str) -> torch.Tensor:
+def _prompt_ids(rr: RoutedRun, prompt: str, max_new_tokens: int) -> tuple[torch.Tensor, int]:
+    """The prompt's token ids the model reads, and how many were cut from its start.
+
+    The model was trained on ``max_seq_len`` tokens: a longer prompt keeps its last tokens (room for
+    ``max_new_tokens`` more, but at least half the window). Routing still reads the prompt's first tokens,
+    like a document's."""
     ids = rr.encode(prompt)
     if not ids:
         raise DipacoError("the prompt is empty (zero tokens); give some text to continue, e.g. dipaco generate --run RUN \"def main\"")
-    return torch.tensor([ids], dtype=torch.long)
+    limit, cut = rr.run.config.model.max_seq_len, 0
+    if len(ids) > limit:
+        cut = len(ids) - max(limit - max_new_tokens, limit // 2)
+        ids = ids[cut:]
+    return torch.tensor([ids], dtype=torch.long), cut
 
 
 @torch.inference_mode()
@@ -50,10 +62,14 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = 64, temperature: 
     if temperature < 0 or not 0 < top_p <= 1:
         raise DipacoError(f"sampling options temperature={temperature}, top_p={top_p} are not valid; "
                           f"use temperature >= 0 (0 = greedy) and 0 < top_p <= 1")
-    ids = _prompt_ids(rr, prompt)
+    if mixture < 0 or mixture == 1 or mixture > rr.run.grid.num_paths > 1:
+        raise DipacoError(f"--mixture {mixture} is not valid: mix K from 2 to the run's {rr.run.grid.num_paths} paths")
+    ids, cut = _prompt_ids(rr, prompt, max_new_tokens)
+    cut_info = dict(prompt_cut=cut, prompt_tokens=ids.shape[1], max_seq_len=rr.run.config.model.max_seq_len)
     if mixture > 1 and not rr.run.is_dense and path is None:
-        return _generate_mixture(rr, prompt, ids, max_new_tokens, temperature, top_p, seed, round, mixture,
-                                 mixture_temperature)
+        g = _generate_mixture(rr, prompt, ids, max_new_tokens, temperature, top_p, seed, round, mixture,
+                              mixture_temperature)
+        return replace(g, **cut_info)
     chosen = path if path is not None else rr.route([prompt])[0]
     if route_every is None:
         sizes = rr.window_sizes()
@@ -87,7 +103,7 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = 64, temperature: 
         how += (f", then every {route_every} tokens the window router on the previous {route_every}" if window is not None
                 else f", then every {route_every} tokens the shard router on the previous {span} (no window router for {route_every})")
     weights = [(p, sum(n for q, n in segments if q == p) / max(1, len(new))) for p in used]
-    return Generation(prompt, rr.decode(new), weights, loaded, total, len(new), segments, how)
+    return Generation(prompt, rr.decode(new), weights, loaded, total, len(new), segments, how, **cut_info)
 
 
 def _generate_mixture(rr: RoutedRun, prompt, ids, max_new_tokens, temperature, top_p, seed, round, k, mix_t) -> Generation:

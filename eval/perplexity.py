@@ -340,7 +340,7 @@ def evaluate(runs: dict[str, str | Path], shards_dir: str | Path, round: int | N
         raise DipacoError(f"--split {split!r} is unknown; use 'heldout' (test documents) or 'val' (validation documents)")
     if any(w < 1 for w in route_every):
         raise DipacoError(f"--route-every {min(route_every)} is not valid; give a window of at least 1 token")
-    if mixture < 0 or (mixture > 1 and temperature <= 0):
+    if mixture < 0 or mixture == 1 or (mixture > 1 and temperature <= 0):
         raise DipacoError(f"--mixture {mixture} with temperature {temperature} is not valid; use k >= 2 and T > 0 (c-BTM: 0.1)")
     shards = ShardSet(shards_dir)
     loaded = {name: Run(path) for name, path in runs.items()}
@@ -354,6 +354,10 @@ def evaluate(runs: dict[str, str | Path], shards_dir: str | Path, round: int | N
         loaded["dense baseline"] = b
     if not loaded:
         raise DipacoError("no run to evaluate; pass --run RUN")
+    for run in loaded.values():  # a mixture of more paths than a run has would be labelled with a K it is not
+        if mixture > run.grid.num_paths and not run.is_dense:
+            raise DipacoError(f"--mixture {mixture}: run {run.root} has {run.grid.num_paths} paths; give K from 2 to "
+                              f"{run.grid.num_paths}")
     max_tokens = max(r.config.eval.max_tokens_per_doc for r in loaded.values())
     contexts = {r.config.eval.context_tokens for r in loaded.values()}
     if len(contexts) > 1:

@@ -108,16 +108,21 @@ def plot_paths(report: dict, path: str | Path) -> bool:
     return True
 
 
+def beside(out: Path) -> list[Path]:
+    """The files ``write_report`` writes beside ``out`` (checked before any work: dipaco/outputs.py)."""
+    return [out.with_suffix(".md"), out.with_suffix(".png"), out.with_name(out.stem + "_rounds.png"),
+            out.with_name(out.stem + "_paths.png")]
+
+
 def write_report(report: dict, out: str | Path) -> dict[str, str]:
     """report.json at ``out``, plus report.md and the PNG plots beside it."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, report)
-    md, png = out.with_suffix(".md"), out.with_suffix(".png")
+    md, png, rounds, paths = beside(out)
     md.write_text(markdown_table(report) + "\n")
     plot(report, png)
     files = {"json": str(out), "markdown": str(md), "plot": str(png)}
-    rounds, paths = out.with_name(out.stem + "_rounds.png"), out.with_name(out.stem + "_paths.png")
     if plot_rounds(report, rounds):
         files["rounds_plot"] = str(rounds)
     if plot_paths(report, paths):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dipaco.errors import DipacoError
-from dipaco.io import sha256_file
+from dipaco.io import sha256_dir, sha256_file
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text",
             ".md": "text", ".rst": "text", ".text": "text"}
@@ -40,30 +40,60 @@ def _format_of(path: Path) -> str | None:
     return _FORMATS.get(suffixes[-1]) if suffixes else None
 
 
-def expand_inputs(specs: list[str]) -> tuple[dict[str, list[Path]], list[str]]:
-    """Group local files by format (directories are walked); anything not on disk is a hub name."""
+def saved_dataset(path: Path) -> bool:
+    """A directory written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    return (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
+
+
+def expand_inputs(specs: list[str], skipped: list[Path] | None = None) -> tuple[dict[str, list[Path]], list[str]]:
+    """Group local files by format (directories are walked; a ``save_to_disk`` directory is format "saved");
+    an ``owner/name`` not on disk is a hub name. Files of a walked directory that are not read are appended
+    to ``skipped`` when a list is given."""
     by_format: dict[str, list[Path]] = {}
     hub: list[str] = []
     for spec in specs:
         path = Path(spec)
+        if path.is_dir() and saved_dataset(path):
+            by_format.setdefault("saved", []).append(path)
+            continue
         if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and _format_of(p))
+            found = sorted(p for p in path.rglob("*") if p.is_file())
+            files = [p for p in found if _format_of(p)]
+            if skipped is not None:
+                skipped.extend(p for p in found if not _format_of(p))
             if not files:
                 raise DipacoError(f"input directory {path} holds no .jsonl/.json/.parquet/.csv/.txt files; point --data at the files")
         elif path.is_file():
             files = [path]
             if not _format_of(path):
                 raise DipacoError(f"input {path}: unknown file type; use .jsonl, .json, .parquet, .csv or .txt (optionally .gz)")
-        elif "/" in spec and not spec.startswith((".", "/")) and len(spec.split("/")) == 2 and not path.suffix:
+        elif _looks_like_hub_name(spec) and not Path(spec.split("/")[0]).exists():
             hub.append(spec)
             continue
         else:
-            raise DipacoError(f"input {spec} does not exist; pass existing files or directories to --data")
+            hint = ""
+            if _looks_like_hub_name(spec):  # its owner part is a local folder: a mistyped local path
+                hint = f" ({spec.split('/')[0]} exists here, so it is not tried as a hub dataset name)"
+            raise DipacoError(f"input {spec} does not exist{hint}; pass existing files or directories to --data")
         for f in files:
             if not os.access(f, os.R_OK):
                 raise DipacoError(f"input {f} is not readable; fix its permissions")
             by_format.setdefault(_format_of(f), []).append(f)
     return by_format, hub
+
+
+def _looks_like_hub_name(spec: str) -> bool:
+    """``owner/name``. When ``owner`` is a local directory it is a mistyped local path, not tried on the hub
+    (that only costs the user half a minute of retries before the same error)."""
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/")) and not Path(spec).suffix
+
+
+def skipped_inputs(specs: list[str]) -> list[str]:
+    """Files in the input directories that are not read (no known extension), for the manifest."""
+    skipped: list[Path] = []
+    expand_inputs(specs, skipped)
+    return [str(p) for p in skipped]
 
 
 # Signatures of binary formats someone may hand us by mistake (checked on a file's first bytes).
@@ -297,6 +327,26 @@ def _rows_hub(name: str, split: str, column: str, label_column: str) -> Iterator
         yield row.get(column), row.get(label_column)
 
 
+def _rows_saved(path: Path, split: str, column: str, label_column: str) -> Iterator[tuple[object, object]]:
+    """Rows of a ``save_to_disk`` directory, read with ``datasets.load_from_disk`` (memory-mapped, streamed)."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:  # datasets raises many types for a damaged directory
+        raise DipacoError(f"cannot load the saved dataset {path} ({str(exc).splitlines()[0][:200]}); "
+                          f"save it again with save_to_disk, or write it as JSON lines with to_json") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DipacoError(f"saved dataset {path} has no split {split!r} (splits: {', '.join(ds)}); pass --split")
+        ds = ds[split]
+    if column not in ds.column_names:
+        raise _missing_column(path, column, ds.column_names)
+    cols = [c for c in (column, label_column) if c in ds.column_names]
+    for batch in ds.select_columns(cols).iter(batch_size=1000):
+        yield from zip(batch[column], batch.get(label_column) or [None] * len(batch[column]))
+
+
 def iter_rows(specs: list[str], text_column: str = "text", label_column: str = "domain",
               split: str = "train", stats: dict | None = None) -> Iterator[tuple[object, object]]:
     """(raw text value, raw label value) of every input record, streamed in input order.
@@ -306,7 +356,10 @@ def iter_rows(specs: list[str], text_column: str = "text", label_column: str = "
     by_format, hub = expand_inputs(specs)
     for fmt in by_format:
         for f in by_format[fmt]:
-            yield from _READERS[fmt](f, text_column, label_column, stats)
+            if fmt == "saved":
+                yield from _rows_saved(f, split, text_column, label_column)
+            else:
+                yield from _READERS[fmt](f, text_column, label_column, stats)
     for name in hub:
         yield from _rows_hub(name, split, text_column, label_column)
 
@@ -314,7 +367,9 @@ def iter_rows(specs: list[str], text_column: str = "text", label_column: str = "
 def describe_inputs(specs: list[str], split: str = "train") -> list[dict]:
     """Size and content hash of every input file (hub datasets: name and split)."""
     by_format, hub = expand_inputs(specs)
-    out = [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)}
+    out = [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)} if fmt != "saved" else
+           {"path": str(f), "saved_dataset": True, "bytes": sum(p.stat().st_size for p in f.rglob("*") if p.is_file()),
+            "sha256": sha256_dir(f)}
            for fmt in by_format for f in by_format[fmt]]
     return out + [{"dataset": name, "split": split} for name in hub]
 

@@ -35,10 +35,11 @@ from dipaco.config import ShardConfig, to_dict, to_toml
 from dipaco.errors import DipacoError
 from dipaco.grid import parse_grid
 from dipaco.io import atomic_dir, sha256_dir, write_json
+from dipaco.outputs import check_out_dir
 from dipaco.routing import Router
 from dipaco.routing.fit import fit_router
 from dipaco.shards import FORMAT, FORMAT_VERSION
-from dipaco.sharding.sources import DocumentFilter, describe_inputs, iter_rows
+from dipaco.sharding.sources import DocumentFilter, describe_inputs, iter_rows, skipped_inputs
 from dipaco.sharding.tokenizer import encode, load_tokenizer, tokenizer_sha256, train_tokenizer
 
 SAMPLE_CHARS = 4096  # a sampled document keeps this many characters (tokenizer training, router fit)
@@ -246,9 +247,9 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
     """Write the shard directory ``out``; returns its manifest."""
     began = time.perf_counter()
     shape = parse_grid(cfg.grid)
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise DipacoError(f"{out} already exists; choose another --out or pass --overwrite")
+    # before any work: --out is not an input, and an existing one is a shard directory (replaced with --overwrite)
+    out = check_out_dir(out, "shards", inputs={"--data": list(inputs), "--tokenizer": tokenizer_dir,
+                                               "--feature-model": cfg.routing.feature_model}, overwrite=overwrite)
     threads = set_num_proc(cfg.num_proc)
     num_paths = int(np.prod(shape))
     d, r = cfg.data, cfg.routing
@@ -258,6 +259,7 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
     if counts["train"] < num_paths:
         raise DipacoError(f"{counts['train']} training documents cannot fill {num_paths} paths; add data or use a smaller --grid")
     input_info = describe_inputs(inputs, d.split)
+    skipped = skipped_inputs(inputs)
     t_scan = time.perf_counter() - began
 
     with atomic_dir(out, overwrite=overwrite) as tmp:
@@ -334,6 +336,11 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
         t_write = time.perf_counter() - began
 
         stats, labels = writer.stats, writer.labels
+        empty = [p for p, st in stats.items() if st["train_docs"] == 0]
+        if empty:  # training refuses a path without data; say so now, not after the user has trained the others
+            raise DipacoError(f"{len(empty)} of {num_paths} paths got no training documents (e.g. {', '.join(empty[:3])}): "
+                              f"{counts['train']} training documents do not spread over grid {cfg.grid}; "
+                              f"use a smaller --grid, --balance, or more data")
         tokenizer_hash, router_hash = tokenizer_sha256(tmp / "tokenizer"), sha256_dir(tmp / "router")
         fingerprint = hashlib.sha256(json.dumps([tokenizer_hash, router_hash, stats], sort_keys=True).encode()).hexdigest()
         sizes = [s["train_docs"] + s["val_docs"] for s in stats.values()]
@@ -346,6 +353,8 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
             "dropped": {k: v for k, v in scanned["dropped"].items() if k != "truncated"},
             "truncated": scanned["dropped"]["truncated"], "invalid_utf8": scanned["invalid_utf8"],
             "inputs": input_info,
+            # files in the input directories that were not read (no known extension), so none goes unnoticed
+            "skipped_files": {"count": len(skipped), "examples": skipped[:5]},
             "path_sizes": histogram(sizes),
             "assignment": {"assign": r.assign, "cluster_on": r.cluster_on, "prefix_tokens": r.prefix_tokens,
                            "balance": r.balance, "capacity": capacity, "spilled": assigner.spilled,
