@@ -111,7 +111,7 @@ def cmd_train(args) -> None:
         "comm.simulate_mbit": args.simulate_bandwidth, "comm.simulate_latency_ms": args.simulate_latency})
     if args.workers is not None and args.workers < 1:  # 0 too: it is not "no workers", it is nonsense
         raise DipacoError(f"--workers must be >= 1, got {args.workers}")
-    if "RANK" not in os.environ:  # torchrun's workers were checked by the process that launched them
+    if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 checks: it alone writes the run directory
         # --out is a new or empty directory or a dipaco run (train decides about --resume), never an input
         check_out_dir(args.out, "run", inputs={"--shards": args.shards, "--init-from": cfg.init_from,
                                                "--config": args.config})
