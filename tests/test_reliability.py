@@ -148,6 +148,7 @@ def _same(a, b) -> bool:
 @given(st.lists(st.one_of(_typed, st.tuples(_keys, _values)), max_size=4))
 @example([("rounds", "7"), ("inner.lr", "0.01"), ("grid.private_blocks", "[0, 3]"), ("rounds", "8")])
 @example([("preset", '"small"'), ("model.hidden_size", "512"), ("comm.bits", "4"), ("device", "cpu")])
+@example([("outer", "{}"), ("inner", "{lr = 0.5}")])
 def test_overrides_show_up_in_the_resolved_config_or_fail_cleanly(pairs):
     """Any list of --set overrides: a one-line DipacoError, or a config in which every override shows up (the
     last one of each key wins) and nothing else moved: defaults, then the chosen preset, then the overrides."""
@@ -160,16 +161,16 @@ def test_overrides_show_up_in_the_resolved_config_or_fail_cleanly(pairs):
     parsed = [parse_override(o) for o in overrides]  # they all parsed, or resolve would have failed
     presets = [p["preset"] for p in parsed if "preset" in p]
     expected = to_dict(resolve(TrainConfig, flags={"preset": presets[-1] if presets else None}))
-    for o, p in zip(overrides, parsed):
-        key = o.split("=", 1)[0].strip()
-        node, parts = expected, key.split(".")
-        for part in parts[:-1]:
-            node = node[part]
-        value = p
-        for part in parts:
-            value = value[part]
-        want = node[parts[-1]]
-        node[parts[-1]] = float(value) if isinstance(want, float) and isinstance(value, int) else value
+
+    def put(node: dict, values: dict) -> None:  # a section given as a table ({} too) sets the keys it names
+        for k, v in values.items():
+            if isinstance(node[k], dict):
+                put(node[k], v)
+            else:
+                node[k] = float(v) if isinstance(node[k], float) and isinstance(v, int) else v
+
+    for p in parsed:
+        put(expected, p)
     assert _same(to_dict(cfg), expected), overrides
 
 
