@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from dipaco.errors import DipacoError
-from dipaco.eval.api import RoutedRun
 from dipaco.eval.perplexity import mixture_weights
+
+if TYPE_CHECKING:  # only for annotations: RoutedRun.generate calls generate()
+    from dipaco.eval.api import RoutedRun
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dipaco.errors import DipacoError
 from dipaco.grid import format_grid, parse_grid
 from dipaco.routing.features import load_features
 from dipaco.routing.prefix import PrefixInput
-from dipaco.routing.router import BaseRouter
+from dipaco.routing.base import BaseRouter
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
