@@ -8,27 +8,32 @@ import os
 import sys
 from pathlib import Path
 
+from dipaco import config as C
 from dipaco.errors import DipacoError
+from dipaco.flags import HelpFormatter, add_flags, flags_of
 from dipaco.outputs import check_out_dir, check_out_file, check_writable, os_error_line
 
 
-def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML file with config sections (defaults < preset < file < --set < flags)")
+def _config_args(p: argparse.ArgumentParser, cls, example: str) -> None:
+    """The flags generated from ``cls``'s fields, then --config FILE and --set KEY=VALUE for every other key."""
+    add_flags(p, cls)
+    p.add_argument("--config", help="TOML file with config keys (defaults < preset < file < --set < flags)")
+    _set_arg(p, example)
+
+
+def _set_arg(p: argparse.ArgumentParser, example: str) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config value, e.g. --set inner.lr=1e-3 (repeatable)")
+                   help=f"override one config value, e.g. --set {example} (repeatable)")
+
+
+def _resolve(args, cls):
+    return C.resolve(cls, args.config, args.overrides, flags_of(args))
 
 
 def cmd_shard(args) -> None:
-    from dipaco.config import ShardConfig, resolve
     from dipaco.sharding.writer import purity, shard
 
-    cfg = resolve(ShardConfig, args.config, args.overrides, {
-        "grid": args.grid, "seed": args.seed, "num_proc": args.num_proc, "data.text_column": args.text_column,
-        "data.min_chars": args.min_chars, "data.max_chars": args.max_chars, "data.split": args.split,
-        "tokenizer.vocab_size": args.vocab_size, "routing.balance": args.balance, "routing.overlap": args.overlap,
-        "routing.features": args.features, "routing.feature_model": args.feature_model,
-        "routing.spherical": args.spherical, "routing.fit_sample": args.fit_sample, "routing.assign": args.assign,
-        "routing.cluster_on": args.cluster_on, "routing.prefix_tokens": args.prefix_tokens})
+    cfg = _resolve(args, C.ShardConfig)
     check_out_dir(args.out, "shards", inputs={"--data": args.data, "--tokenizer": args.tokenizer, "--config": args.config,
                                               "--feature-model": cfg.routing.feature_model}, overwrite=args.overwrite)
     manifest = shard(args.data, cfg, args.out, args.tokenizer, args.overwrite, progress=not args.quiet)
@@ -72,9 +77,10 @@ def print_paths(manifest: dict) -> None:
 def cmd_reshard(args) -> None:
     from dipaco.sharding.reshard import reshard
 
+    cfg = _resolve(args, C.ReshardConfig)
     check_out_dir(args.out, "shards", inputs={"--run": args.run, "--shards": args.shards}, overwrite=args.overwrite)
-    report = reshard(args.run, args.shards, args.out, target=args.target, holdout_fraction=args.holdout_fraction,
-                     max_tokens=args.max_tokens, seed=args.seed, at_round=args.round, overwrite=args.overwrite,
+    report = reshard(args.run, args.shards, args.out, target=cfg.target, holdout_fraction=cfg.holdout_fraction,
+                     max_tokens=cfg.max_tokens, seed=cfg.seed, at_round=cfg.round, overwrite=args.overwrite,
                      progress=not args.quiet)
     print(f"wrote {args.out}: {report['moved_share']:.1%} of {report['documents']} documents moved to another path")
     print(f"router accuracy against the loss labels on {report['test_documents']} held-out router documents: "
@@ -101,14 +107,9 @@ def cmd_inspect(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from dipaco.config import TrainConfig, resolve
     from dipaco.train import train
 
-    cfg = resolve(TrainConfig, args.config, args.overrides, {
-        "preset": args.preset, "rounds": args.rounds, "inner_steps": args.inner_steps, "grid.shape": args.grid,
-        "seed": args.seed, "device": args.device, "init_from": args.init_from, "comm.bits": args.bits,
-        "streaming.fragments": args.fragments, "streaming.overlap": args.overlap, "streaming.alpha": args.alpha,
-        "comm.simulate_mbit": args.simulate_bandwidth, "comm.simulate_latency_ms": args.simulate_latency})
+    cfg = _resolve(args, C.TrainConfig)
     if args.workers is not None and args.workers < 1:  # 0 too: it is not "no workers", it is nonsense
         raise DipacoError(f"--workers must be >= 1, got {args.workers}")
     if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 checks: it alone writes the run directory
@@ -142,21 +143,19 @@ def cmd_eval(args) -> None:
     from dipaco.eval.perplexity import evaluate
     from dipaco.eval.report import beside, markdown_table, write_report
 
+    cfg = _resolve(args, C.EvalCommandConfig)
     out = Path(args.out)
     if out.suffix.lower() != ".json" and not out.is_dir():
         raise DipacoError(f"--out {out}: the report is JSON; give a file name ending in .json (report.md and plots go beside it)")
     check_out_file(out, "--out", beside(out))
-    if args.mixture is not None and args.mixture < 2:
-        raise DipacoError(f"--mixture {args.mixture}: a mixture needs K >= 2 paths (K = 1 is the routed row); "
-                          f"leave --mixture out for no mixture row")
     runs = {}
     for spec in args.run:
         name, _, path = spec.rpartition("=")
         runs[name or path.rstrip("/").split("/")[-1]] = path
-    report = evaluate(runs, args.shards, args.round, progress=not args.quiet, baseline=args.baseline,
-                      route_every=args.route_every, oracle=not args.no_oracle, random=not args.no_random,
-                      early_stopping=args.early_stopping, mixture=args.mixture or 0, temperature=args.temperature,
-                      seed=args.seed, split=args.split)
+    report = evaluate(runs, args.shards, cfg.round, progress=not args.quiet, baseline=cfg.baseline or None,
+                      route_every=cfg.route_every, oracle=cfg.oracle, random=cfg.random,
+                      early_stopping=cfg.early_stopping, mixture=cfg.mixture or 0, temperature=cfg.temperature,
+                      seed=cfg.seed, split=cfg.split)
     files = write_report(report, args.out)
     print(markdown_table(report))
     print("\nwrote " + ", ".join(files.values()))
@@ -166,8 +165,7 @@ def cmd_generate(args) -> None:
     from dipaco.eval.api import load
     from dipaco.eval.generate import generate
 
-    if args.mixture is not None and args.mixture < 2:
-        raise DipacoError(f"--mixture {args.mixture}: a mixture needs K >= 2 paths; leave --mixture out for one path")
+    cfg = _resolve(args, C.GenerateConfig)
     if args.prompts_file:
         prompts = read_prompts(args.prompts_file)
     else:  # words given without quotes form one prompt
@@ -176,9 +174,9 @@ def cmd_generate(args) -> None:
         raise DipacoError("no prompt given; pass a prompt as an argument or --prompts-file FILE (one prompt a line)")
     rr = load(args.run, args.shards)
     for prompt in prompts:
-        g = generate(rr, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                     seed=args.seed, round=args.round, mixture=args.mixture or 0, mixture_temperature=args.mixture_temperature,
-                     path=rr.check_path(args.path) if args.path else None, route_every=args.route_every)
+        g = generate(rr, prompt, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                     seed=cfg.seed, round=cfg.round, mixture=cfg.mixture or 0, mixture_temperature=cfg.mixture_temperature,
+                     path=rr.check_path(cfg.path) if cfg.path else None, route_every=cfg.route_every)
         if g.segments and len(g.segments) > 1:
             paths = " -> ".join(f"{p} ({n} tokens)" for p, n in g.segments)
         else:
@@ -249,85 +247,43 @@ def cmd_quickstart(args) -> None:
     from dipaco.quickstart import quickstart
 
     check_out_dir(args.out, "quickstart")
-    quickstart(args.out, args.rounds, args.inner_steps, args.preset, args.overrides, progress=not args.quiet)
+    flags = flags_of(args)  # --rounds, --inner-steps, --preset: given ones replace quickstart's defaults
+    quickstart(args.out, **flags, overrides=args.overrides, progress=not args.quiet)
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=HelpFormatter, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dipaco", description="Train modular language models the DiPaCo way.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("shard", help="route a corpus into per-path token shards")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE_OR_DIR",
                    help="JSON lines (.jsonl/.jsonl.gz), parquet, CSV or text files or directories, or a hub dataset name")
     p.add_argument("--out", required=True, help="shard directory to create")
-    p.add_argument("--grid", help="modules per level: 2x2, 4, 1 (default 2x2)")
-    p.add_argument("--text-column", help="column holding the text (default 'text')")
-    p.add_argument("--split", help="split of a hub dataset (default 'train')")
-    p.add_argument("--min-chars", type=int, help="drop documents shorter than this (default 64)")
-    p.add_argument("--max-chars", type=int, help="cut documents longer than this (default 1000000)")
-    p.add_argument("--features", choices=["tfidf", "lm", "encoder"], help="routing features of the prefix (default tfidf)")
-    p.add_argument("--feature-model", metavar="DIR", help="local Hugging Face causal LM (lm) or encoder (encoder) directory")
-    p.add_argument("--spherical", action=argparse.BooleanOptionalAction, default=None,
-                   help="spherical k-means (default on; --no-spherical for plain k-means)")
-    p.add_argument("--fit-sample", type=int, help="documents sampled to fit the tokenizer and router (default 20000)")
-    p.add_argument("--balance", type=float, help="cap every path at F x the mean share of documents (e.g. 1.2); 0 = off")
-    p.add_argument("--assign", choices=["kmeans", "random"],
-                   help="kmeans (default): routing features + k-means; random: a seeded uniform path per document (i.i.d. control)")
-    p.add_argument("--cluster-on", choices=["prefix", "document"],
-                   help="k-means on the routing prefix, or on whole-document features learned back from the prefix")
-    p.add_argument("--prefix-tokens", type=int, help="tokens of the document prefix every router reads (default 32)")
-    p.add_argument("--overlap", type=int, help="training documents go to their n nearest paths (paper: 2); default 1")
-    p.add_argument("--num-proc", type=int, help="tokenizer/feature threads (default: all cores)")
     p.add_argument("--tokenizer", help="use this Hugging Face tokenizer directory instead of training one")
-    p.add_argument("--vocab-size", type=int, help="vocabulary of the trained tokenizer (>= 300; default 8192)")
-    p.add_argument("--seed", type=int)
     p.add_argument("--overwrite", action="store_true", help="replace --out once the new shards are complete")
-    _config_args(p)
+    _config_args(p, C.ShardConfig, example="routing.svd_dims=32")
     p.set_defaults(func=cmd_shard)
 
     p = sub.add_parser("train", help="train path workers with DiLoCo-style module averaging")
     p.add_argument("--shards", required=True, help="shard directory from `dipaco shard`")
     p.add_argument("--out", required=True, help="run directory")
-    p.add_argument("--preset", choices=["tiny", "small", "base"], help="model size preset (default tiny)")
-    p.add_argument("--rounds", type=int, help="outer steps")
-    p.add_argument("--inner-steps", type=int, help="H: inner steps per round")
-    p.add_argument("--grid", help="'1' trains the dense baseline on all shards; default: the shards' grid")
-    p.add_argument("--seed", type=int)
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last complete round")
     p.add_argument("--workers", type=int, help="launch a local torchrun with this many worker processes (127.0.0.1)")
     p.add_argument("--max-restarts", type=int, default=0, help="with --workers: torchrun restarts after a crash "
                    "(each restart resumes from the last complete round)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="cuda: NCCL + bf16 autocast (default auto)")
-    p.add_argument("--init-from", metavar="RUN_OR_DIR",
-                   help="start every module from a dense model: a dipaco --grid 1 run or a Hugging Face Llama directory")
-    p.add_argument("--bits", type=int, choices=[4, 8, 16, 32], help="bits per outer-gradient value on the wire")
-    p.add_argument("--fragments", type=int, help="Streaming DiLoCo: fragments per module (must divide H)")
-    p.add_argument("--overlap", type=int, help="Streaming DiLoCo: τ, inner steps a reduction overlaps compute")
-    p.add_argument("--alpha", type=float, help="Streaming DiLoCo: merge weight of the local weights (0 replaces)")
-    p.add_argument("--simulate-bandwidth", type=float, metavar="MBIT", help="slow every collective to this link speed")
-    p.add_argument("--simulate-latency", type=float, metavar="MS", help="per-message latency of the simulated link")
-    _config_args(p)
+    _config_args(p, C.TrainConfig, "inner.lr=1e-3")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="routed perplexity on the held-out documents")
     p.add_argument("--run", action="append", required=True, metavar="[NAME=]RUN", help="run directory (repeatable)")
     p.add_argument("--shards", required=True, help="the shard directory the runs were trained on")
     p.add_argument("--out", required=True, help="report.json to write (report.md and PNG plots go beside it)")
-    p.add_argument("--round", type=int, help="evaluate this round instead of the latest")
-    p.add_argument("--baseline", metavar="RUN", help="a dense run (--grid 1) scored on the same tokens")
-    p.add_argument("--route-every", type=int, action="append", default=[], metavar="W",
-                   help="also re-route every W tokens using the previous window (repeatable)")
-    p.add_argument("--early-stopping", action="store_true",
-                   help="also evaluate each path at its round of lowest validation loss (metrics.jsonl)")
-    p.add_argument("--mixture", type=int, metavar="K",
-                   help="also score a c-BTM mixture of the K nearest paths (2 <= K <= paths)")
-    p.add_argument("--temperature", type=float, default=0.1, help="mixture weights softmax(-d^2/T) (default 0.1)")
-    p.add_argument("--no-oracle", action="store_true", help="skip the oracle row (it scores every path on every document)")
-    p.add_argument("--no-random", action="store_true", help="skip the random-routing row")
-    p.add_argument("--seed", type=int, default=0, help="seed of random routing")
-    p.add_argument("--split", default="heldout", choices=["heldout", "val"],
-                   help="heldout: the held-out test documents (default); val: every path's validation documents "
-                        "(choose settings on these)")
+    _config_args(p, C.EvalCommandConfig, example="temperature=0.05")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("generate", help="route a prompt and continue it with one path")
@@ -335,17 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", help="shard directory (router and tokenizer); default: the run's own")
     p.add_argument("prompt", nargs="*", help="prompt text, quoted (or use --prompts-file)")
     p.add_argument("--prompts-file", help="text file, one prompt a line")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--round", type=int, help="checkpoint round (default latest)")
-    p.add_argument("--path", help="use this path instead of routing")
-    p.add_argument("--mixture", type=int, metavar="K", help="mix the K nearest paths (c-BTM; 2 <= K <= paths)")
-    p.add_argument("--mixture-temperature", type=float, default=0.1, help="mixture weights softmax(-d^2/T)")
-    p.add_argument("--route-every", type=int, metavar="W",
-                   help="re-route after every W new tokens (the run's window router for W, else the shard router); "
-                        "default: W of the run's window router if it has exactly one; 0 keeps one path")
+    _config_args(p, C.GenerateConfig, example="top_p=0.9")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("fit-window-router", help="fit the router of every-W routing on the router documents")
@@ -373,13 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, help="run directory trained on --shards")
     p.add_argument("--shards", required=True, help="the shard directory the run was trained on")
     p.add_argument("--out", required=True, help="new shard directory to create")
-    p.add_argument("--target", default="current", choices=["current", "uniform"],
-                   help="path distribution the router's bias keeps: the current shard sizes or uniform")
-    p.add_argument("--holdout-fraction", type=float, default=0.2, help="router documents kept to measure accuracy")
-    p.add_argument("--max-tokens", type=int, default=512, help="tokens of each router document scored")
-    p.add_argument("--round", type=int, help="score with this round instead of the latest")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace --out once the new shards are complete")
+    _config_args(p, C.ReshardConfig, example="max_tokens=256")
     p.set_defaults(func=cmd_reshard)
 
     p = sub.add_parser("inspect", help="per-path summary of a shard directory and a PNG of path sizes")
@@ -393,11 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quickstart", help="the whole pipeline on an embedded default corpus, offline")
     p.add_argument("--out", default="dipaco-quickstart",
                    help="output directory, new or empty (re-running continues in a quickstart directory)")
-    p.add_argument("--rounds", type=int, default=16)
-    p.add_argument("--inner-steps", type=int, default=50)
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a training config value")
+    add_flags(p, C.TrainConfig, only=("preset", "rounds", "inner_steps"), show_defaults=False)  # quickstart's own defaults
+    _set_arg(p, "inner.lr=1e-3")  # a key of `dipaco train`
     p.set_defaults(func=cmd_quickstart)
 
     for p in sub.choices.values():

@@ -1,5 +1,8 @@
-"""Configuration: nested dataclasses, TOML files, ``--set a.b=value`` overrides, model presets.
+"""Configuration: one dataclass section per stage, with model presets.
 
+A setting is declared once, here: its type (``Literal`` for a choice), its default and its docstring. The
+command-line flags, their help and choices, the TOML files and the ``--set`` overrides all come from these
+declarations (flags.py makes the flags); every section checks its own values in ``check``.
 Precedence (lowest first): dataclass defaults -> preset -> TOML file -> ``--set`` -> named CLI flags.
 Unknown keys and wrong types are errors. The resolved config is written next to every output.
 """
@@ -7,25 +10,31 @@ Unknown keys and wrong types are errors. The resolved config is written next to 
 from __future__ import annotations
 
 import dataclasses
-import json
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
+
+import tomli_w
 
 from dipaco.errors import DipacoError
+from dipaco.flags import flag, optional_of
+
+Bits = Literal[4, 8, 16, 32]  # dipaco.quant.SUPPORTED_BITS (a test keeps the two equal)
+Preset = Literal["tiny", "small", "base"]  # the keys of PRESETS (a test keeps the two equal)
 
 
 # ----------------------------------------------------------------------------------------- shard
 @dataclass
 class DataConfig:
-    text_column: str = "text"
+    text_column: str = flag("text")
     """Column of the input files that holds the document text."""
     label_column: str = "domain"
     """Optional column with a label per document (e.g. domain); kept for per-label reports. Missing is fine."""
-    min_chars: int = 64
+    min_chars: int = flag(64)
     """Documents shorter than this many characters (after stripping) are dropped."""
-    max_chars: int = 1_000_000
+    max_chars: int = flag(1_000_000)
     """Longer documents are cut to this many characters (a 100 MB line must not exhaust memory)."""
     heldout_fraction: float = 0.05
     """Share of documents kept aside, whole, for routed evaluation."""
@@ -40,38 +49,53 @@ class DataConfig:
     """Cap on router documents."""
     dedup: bool = True
     """Drop exact duplicates (same text after stripping, by a 128-bit hash)."""
-    split: str = "train"
+    split: str = flag("train")
     """Split of a hub dataset given as input (local files are read whole)."""
+
+    def check(self, at: str) -> None:
+        for key in ("heldout_fraction", "val_fraction", "router_fraction"):
+            fraction(at + key, getattr(self, key))
+        if self.heldout_fraction + self.router_fraction + self.val_fraction >= 1.0:
+            raise DipacoError(f"config: {at}heldout_fraction + {at}router_fraction + {at}val_fraction must be < 1")
+        for key in ("max_router_docs", "max_heldout_docs", "min_chars"):
+            at_least(at + key, getattr(self, key), 0)
+        if self.max_chars < max(1, self.min_chars):
+            raise DipacoError(f"config: '{at}max_chars' ({self.max_chars}) must be >= {at}min_chars ({self.min_chars})")
 
 
 @dataclass
 class TokenizerConfig:
-    vocab_size: int = 8192
+    vocab_size: int = flag(8192)
     """Vocabulary size of the byte-level BPE tokenizer trained when no --tokenizer is given."""
     train_chars: int = 8_000_000
     """At most this many characters train the tokenizer: a seeded sample of training documents, each cut
     to 4096 characters (BPE merges settle long before; more only costs time)."""
 
+    def check(self, at: str) -> None:
+        if self.vocab_size < 300:  # 256 bytes + merges + special tokens
+            raise DipacoError(f"config: '{at}vocab_size' must be >= 300 (256 bytes + merges + special tokens), "
+                              f"got {self.vocab_size}")
+
 
 @dataclass
 class RoutingConfig:
-    assign: str = "kmeans"
+    assign: Literal["kmeans", "random"] = flag("kmeans")
     """How documents get paths: 'kmeans' (routing features + k-means, the paper's) or 'random' (a seeded
     hash of the routing prefix: uniform i.i.d. shards, the DiLoCo paper's main setting, as a control)."""
-    prefix_tokens: int = 32
+    prefix_tokens: int = flag(32)
     """The router's input, for every command (shard, eval, generate, reshard): the first this-many tokens
     of a document, decoded (paper: 32). Evaluation never scores them (eval.context_tokens >= this)."""
-    cluster_on: str = "document"
+    cluster_on: Literal["prefix", "document"] = flag("document")
     """What k-means clusters to define the paths: 'document' (tf-idf of the first prefix_chars characters;
     a logistic regression on the prefix then learns those clusters and is the router, so sharding and
     eval still route by the prefix alone) or 'prefix' (the routing prefix itself). Chosen on routed
     validation perplexity (bench/routing_quality.py): 'document' 86.97 vs 97.07 on the default corpus,
     149.10 vs 148.17 on the shared one."""
-    features: str = "tfidf"
+    features: Literal["tfidf", "lm", "encoder"] = flag("tfidf")
     """Features of the routing prefix: 'tfidf' (tf-idf + truncated SVD, c-BTM style), 'lm' (mean of the
     last hidden layer of a local causal LM, the paper's) or 'encoder' (mean-pooled local Hugging Face
     encoder)."""
-    feature_model: str = ""
+    feature_model: str = flag("", metavar="DIR")
     """Local Hugging Face model directory for 'lm' / 'encoder' features (weights as safetensors, with
     its tokenizer)."""
     copy_feature_model: bool = True
@@ -85,40 +109,54 @@ class RoutingConfig:
     """Vocabulary cap of the tf-idf vectorizer."""
     svd_dims: int = 64
     """Dimensions after truncated SVD (c-BTM uses 100)."""
-    fit_sample: int = 20_000
+    fit_sample: int = flag(20_000)
     """Documents (a seeded sample) used to fit features and k-means."""
     kmeans_iters: int = 25
     """Lloyd iterations of faiss k-means."""
     kmeans_restarts: int = 16
     """Seeded k-means runs per level; the one with the lowest objective is kept (one run can land in a poor
     local optimum, e.g. splitting the largest domain and merging two small ones)."""
-    spherical: bool = True
+    spherical: bool = flag(True)
     """Spherical k-means: centroids re-normalised to unit length (cosine geometry, which suits the
     L2-normalised features; on the shared corpus it separates the domains more reliably)."""
     batch_size: int = 1024
     """Documents routed, tokenized and appended per batch while streaming the corpus."""
-    overlap: int = 1
+    overlap: int = flag(1)
     """Paths a training document goes to: 1 = its nearest only; n > 1 = its n nearest paths (paper: 2
     in the 16x16 model). Validation, held-out and router documents always go to one path."""
-    balance: float = 0.0
+    balance: float = flag(0.0)
     """If > 0, no path receives more than this many times the mean share of training documents
     (overflow spills to the next-nearest path); 0 routes every document to its nearest path."""
-    product_split: str = "interleaved"
+    product_split: Literal["interleaved", "contiguous"] = "interleaved"
     """How product k-means splits the feature vector over levels: 'interleaved' (dim d -> level d mod L,
     so every level sees high- and low-variance SVD directions) or 'contiguous' (the paper's halves)."""
+
+    def check(self, at: str) -> None:
+        if self.features != "tfidf" and not self.feature_model:
+            raise DipacoError(f"config: {at}features={self.features!r} needs a model; pass --feature-model DIR "
+                              f"(a local Hugging Face {'causal LM' if self.features == 'lm' else 'encoder'} directory)")
+        for key in ("svd_dims", "prefix_chars", "prefix_tokens", "feature_batch_size", "fit_sample", "kmeans_iters",
+                    "kmeans_restarts", "batch_size", "overlap", "max_tfidf_features"):
+            positive(at + key, getattr(self, key))
+        if self.balance and self.balance < 1.0:
+            raise DipacoError(f"config: '{at}balance' must be 0 (off) or >= 1.0, got {self.balance}")
 
 
 @dataclass
 class ShardConfig:
-    grid: str = "2x2"
+    grid: str = flag("2x2")
     """Modules per level: '2x2' = two levels of two modules (4 paths), '5' = flat, '1' = one path."""
-    seed: int = 0
+    seed: int = flag(0)
     """Seed for splits, samples and k-means."""
-    num_proc: int = 0
+    num_proc: int = flag(0)
     """Threads for tokenization (the tokenizer's Rust pool) and torch features; 0 = all cores."""
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+    def check(self, at: str) -> None:
+        if self.num_proc < 0:
+            raise DipacoError(f"config: '{at}num_proc' must be >= 0 (0 = all cores), got {self.num_proc}")
 
 
 # ----------------------------------------------------------------------------------------- train
@@ -141,10 +179,20 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """RoPE base."""
 
+    def check(self, at: str) -> None:
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):
+            positive(at + key, getattr(self, key))
+        if self.hidden_size % self.num_heads:
+            raise DipacoError(f"config: {at}hidden_size ({self.hidden_size}) must be divisible by {at}num_heads "
+                              f"({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise DipacoError(f"config: {at}num_heads ({self.num_heads}) must be divisible by {at}num_kv_heads "
+                              f"({self.num_kv_heads})")
+
 
 @dataclass
 class GridConfig:
-    shape: str = ""
+    shape: str = flag("", "--grid")
     """Modules per level for training; '' takes the shard directory's grid; '1' is the dense baseline."""
     level_sizes: list[int] = field(default_factory=list)
     """Blocks per level (must sum to model.num_layers); empty splits the blocks evenly."""
@@ -182,6 +230,10 @@ class InnerConfig:
     batch_size: int = 8
     """Sequences per inner step per trainee."""
 
+    def check(self, at: str) -> None:
+        positive(at + "lr", self.lr)
+        positive(at + "batch_size", self.batch_size)
+
 
 @dataclass
 class OuterConfig:
@@ -192,36 +244,51 @@ class OuterConfig:
     nesterov: bool = True
     """Nesterov momentum (the papers use it)."""
 
+    def check(self, at: str) -> None:
+        positive(at + "lr", self.lr)
+        fraction(at + "momentum", self.momentum)
+
 
 @dataclass
 class StreamingConfig:
-    fragments: int = 1
+    fragments: int = flag(1)
     """F: fragments per module that sync on staggered schedules (Streaming DiLoCo); 1 = plain rounds."""
-    layout: str = "strided"
+    layout: Literal["strided", "sequential"] = "strided"
     """Which blocks form a fragment: 'strided' (block b in fragment b mod F) or 'sequential' (runs of blocks)."""
-    overlap: int = 0
+    overlap: int = flag(0)
     """τ: inner steps a fragment's reduction overlaps with compute before it is merged (0 = blocking)."""
-    alpha: float = 0.0
+    alpha: float = flag(0.0)
     """Merge θ_local ← α·θ_local + (1−α)·θ_global after a sync (0 replaces; the paper uses 0.5 with τ > 0)."""
+
+    def check(self, at: str) -> None:
+        at_least(at + "fragments", self.fragments, 1)
+        if not 0.0 <= self.alpha <= 1.0:
+            raise DipacoError(f"config: '{at}alpha' must be in [0, 1] (0 replaces, 0.5 averages), got {self.alpha}")
 
 
 @dataclass
 class CommConfig:
-    bits: int = 32
+    bits: Bits = flag(32)
     """Bits per outer-gradient value on the wire: 32 (fp32, exact), 16 (bf16), 8 or 4 (blockwise int + bf16
     scale). Below 32 the module's gradient is Q_down(Σ w_i·deq(Q_up(Δ_i))) on any number of workers (the world
     of one included): every trainee's outer gradient quantized once, as if sent from its own worker, the sum
     quantized once more, as a reduce-scatter's chunk owner sends it back."""
     block_size: int = 128
     """Values per quantization block (one bf16 scale each)."""
-    pattern: str = "auto"
+    pattern: Literal["auto", "allgather", "reduce_scatter"] = "auto"
     """Collective: 'allgather' (every holder sends its payloads to every other), 'reduce_scatter' (chunks to
     their owners, added, all-gathered), or 'auto' (the one that moves fewer bytes: reduce-scatter from 3
     holders, and below 32 bits also for 2 holders unless each has one trainee). The result does not depend on it."""
-    simulate_mbit: float = 0.0
+    simulate_mbit: float = flag(0.0, "--simulate-bandwidth", metavar="MBIT")
     """If > 0, every collective takes at least bytes·8/(this many Mbit/s) + latency (a slow link on one machine)."""
-    simulate_latency_ms: float = 0.0
+    simulate_latency_ms: float = flag(0.0, "--simulate-latency", metavar="MS")
     """Per-message latency added by the link simulation (ms, per peer step of a collective)."""
+
+    def check(self, at: str) -> None:
+        if self.block_size < 2 or self.block_size % 2:
+            raise DipacoError(f"config: '{at}block_size' must be an even number >= 2, got {self.block_size}")
+        if self.simulate_mbit < 0 or self.simulate_latency_ms < 0:
+            raise DipacoError(f"config: '{at}simulate_mbit' and '{at}simulate_latency_ms' must be >= 0")
 
 
 @dataclass
@@ -233,16 +300,19 @@ class EvalConfig:
     batch_size: int = 16
     """Windows per forward pass in evaluation."""
 
+    def check(self, at: str) -> None:
+        at_least(at + "context_tokens", self.context_tokens, 1)
+
 
 @dataclass
 class TrainConfig:
-    preset: str = "tiny"
-    """Model preset applied before the file and flags: tiny | small | base."""
-    rounds: int = 10
+    preset: Preset = flag("tiny")
+    """Model size preset, applied before the file and flags."""
+    rounds: int = flag(10)
     """Outer steps."""
-    inner_steps: int = 50
+    inner_steps: int = flag(50)
     """H: inner steps per trainee per round."""
-    seed: int = 0
+    seed: int = flag(0)
     """Seed for initialisation and data order."""
     val_batches: int = 4
     """Batches of each path's validation file scored after every round (0 disables)."""
@@ -250,9 +320,9 @@ class TrainConfig:
     """Inner steps between training-loss lines in metrics.jsonl."""
     checkpoint_every: int = 1
     """Rounds between checkpoints (the last round is always saved; resume starts from the last one saved)."""
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = flag("auto")
     """Device: 'auto' (cuda when available), 'cpu' or 'cuda' (bf16 autocast, fp32 master weights and outer state)."""
-    init_from: str = ""
+    init_from: str = flag("", metavar="RUN_OR_DIR")
     """Start every module from a dense model: a dipaco '--grid 1' run directory (its latest round) or a
     Hugging Face Llama directory of the same shape; '' starts from a seeded random model."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -263,7 +333,108 @@ class TrainConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    def check(self, at: str) -> None:
+        """The top-level values and what spans sections (each section has checked itself)."""
+        for key in ("rounds", "inner_steps", "checkpoint_every"):
+            positive(at + key, getattr(self, key))
+        if self.grid.private_head and self.model.tie_embeddings and not self.grid.private_embedding:
+            raise DipacoError("config: grid.private_head=true with model.tie_embeddings=true would keep only the final norm "
+                              "private (the tied output head is the shared embedding); set model.tie_embeddings=false to "
+                              "give every path its own output head, or grid.private_embedding=true to make the embedding "
+                              "and its tied head private together")
+        s = self.streaming  # its own check ran: fragments >= 1
+        validate_streaming(self.inner_steps, s.fragments, s.overlap, self.model.num_layers)
 
+
+# ------------------------------------------------------------------------ eval, generate, reshard
+def _mixture(at: str, k: int | None) -> None:
+    if k is not None and k < 2:
+        raise DipacoError(f"config: '{at}mixture' (--mixture) is {k}: a mixture needs K >= 2 paths (K = 1 is the routed "
+                          f"row); leave --mixture out for none")
+
+
+@dataclass
+class EvalCommandConfig:
+    """``dipaco eval``: which rows the report has besides the routed one."""
+    round: int | None = flag(None)
+    """Evaluate this round instead of the latest."""
+    baseline: str = flag("", metavar="RUN")
+    """A dense run (--grid 1) scored on the same tokens."""
+    route_every: list[int] = flag([], metavar="W")
+    """Also re-route every W tokens using the previous window (repeatable)."""
+    early_stopping: bool = flag(False)
+    """Also evaluate each path at its round of lowest validation loss (metrics.jsonl)."""
+    mixture: int | None = flag(None, metavar="K")
+    """Also score a c-BTM mixture of the K nearest paths (2 <= K <= paths)."""
+    temperature: float = flag(0.1)
+    """Mixture weights softmax(-d^2/T)."""
+    oracle: bool = flag(True)
+    """The oracle row (it scores every path on every document; --no-oracle skips it)."""
+    random: bool = flag(True)
+    """The random-routing row."""
+    seed: int = flag(0)
+    """Seed of random routing."""
+    split: Literal["heldout", "val"] = flag("heldout")
+    """Documents scored: 'heldout' (the held-out test documents) or 'val' (every path's validation documents;
+    choose settings on these)."""
+
+    def check(self, at: str) -> None:
+        _mixture(at, self.mixture)
+        positive(at + "temperature", self.temperature)
+        for w in self.route_every:
+            positive(at + "route_every", w)
+
+
+@dataclass
+class GenerateConfig:
+    """``dipaco generate``: decoding and routing of a continuation."""
+    max_new_tokens: int = flag(64)
+    """Tokens to generate after the prompt."""
+    temperature: float = flag(0.0)
+    """Sampling temperature: 0 = greedy; > 0 samples."""
+    top_p: float = flag(1.0)
+    """Nucleus sampling threshold."""
+    seed: int = flag(0)
+    """Seed of sampling."""
+    round: int | None = flag(None)
+    """Checkpoint round (default: the latest)."""
+    path: str = flag("")
+    """Use this path (e.g. 0-1) instead of routing."""
+    mixture: int | None = flag(None, metavar="K")
+    """Mix the K nearest paths (c-BTM; 2 <= K <= paths)."""
+    mixture_temperature: float = flag(0.1)
+    """Mixture weights softmax(-d^2/T)."""
+    route_every: int | None = flag(None, metavar="W")
+    """Re-route after every W new tokens (the run's window router for W, else the shard router); unset: W of the
+    run's window router if it has exactly one; 0 keeps one path."""
+
+    def check(self, at: str) -> None:
+        _mixture(at, self.mixture)
+        at_least(at + "max_new_tokens", self.max_new_tokens, 0)
+        at_least(at + "temperature", self.temperature, 0)
+        positive(at + "mixture_temperature", self.mixture_temperature)
+
+
+@dataclass
+class ReshardConfig:
+    """``dipaco reshard``: the discriminative router fitted on a run's per-path losses."""
+    target: Literal["current", "uniform"] = flag("current")
+    """Path distribution the router's bias keeps: the current shard sizes or uniform."""
+    holdout_fraction: float = flag(0.2)
+    """Router documents kept aside to measure accuracy."""
+    max_tokens: int = flag(512)
+    """Tokens of each router document scored."""
+    round: int | None = flag(None)
+    """Score with this round instead of the latest."""
+    seed: int = flag(0)
+    """Seed of the held-aside split and of the router fit."""
+
+    def check(self, at: str) -> None:
+        fraction(at + "holdout_fraction", self.holdout_fraction)
+        positive(at + "max_tokens", self.max_tokens)
+
+
+# ---------------------------------------------------------------------------------- resolution
 PRESETS: dict[str, dict] = {
     # A round of 50 steps takes seconds on one CPU core.
     "tiny": {"model": dict(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=4,
@@ -277,20 +448,77 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def resolve(cls, file: str | Path | None = None, overrides: list[str] = (), flags: dict | None = None):
+    """Build a config of dataclass ``cls``: defaults -> preset -> file -> --set -> flags, then check it."""
+    file_values = read_toml(file) if file else {}
+    override_values = [parse_override(o) for o in overrides]
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    cfg = cls()
+    if cls is TrainConfig:
+        preset = flags.get("preset") or _last_preset(file_values, override_values) or cfg.preset
+        if not isinstance(preset, str) or preset not in PRESETS:
+            raise DipacoError(f"config: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        apply_dict(cfg, PRESETS[preset])
+        cfg.preset = preset
+    apply_dict(cfg, file_values)
+    for values in override_values:
+        apply_dict(cfg, values)
+    apply_dict(cfg, nest(flags))
+    validate(cfg)
+    return cfg
+
+
+def _last_preset(file_values: dict, override_values: list[dict]) -> str | None:
+    preset = file_values.get("preset")
+    for values in override_values:
+        preset = values.get("preset", preset)
+    return preset
+
+
+def validate_streaming(H: int, fragments: int, overlap: int, num_layers: int) -> None:
+    """Reject schedules that cannot run (fragments against blocks and inner steps), with the fix in the message."""
+    if fragments > num_layers:
+        raise DipacoError(f"config: 'streaming.fragments' ({fragments}) exceeds model.num_layers ({num_layers}); "
+                          f"use at most one fragment per block")
+    if H % fragments:
+        raise DipacoError(f"config: 'streaming.fragments' ({fragments}) must divide inner_steps H ({H}); "
+                          f"pick F among the divisors of H")
+    if overlap < 0 or overlap >= H // fragments:
+        raise DipacoError(f"config: 'streaming.overlap' τ={overlap} must satisfy 0 <= τ < H/F = {H // fragments} "
+                          f"(one fragment in flight at a time); lower τ or F, or raise inner_steps")
+
+
 # ------------------------------------------------------------------------------------ machinery
-def _type_name(tp) -> str:
+def one_of(values) -> str:
+    """'a', 'b' or 'c' (numbers without quotes)."""
+    shown = [repr(v) for v in values]
+    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]
+
+
+def _describe(tp) -> str:
+    tp, _ = optional_of(tp)
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return one_of(typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(value, tp, key: str):
-    """Check (and gently convert) a value against a field's annotated type."""
+def coerce(value, tp, key: str):
+    """Check (and gently convert: an int where a float is wanted) a value against a field's annotated type."""
+    tp, optional = optional_of(tp)
+    if value is None and optional:
+        return None
     origin = typing.get_origin(tp)
-    if origin is list:
+    if origin is typing.Literal:
+        if any(value == a and type(value) is type(a) for a in typing.get_args(tp)):
+            return value
+    elif origin is list:
         (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise DipacoError(f"config: '{key}' must be a list of {_type_name(item_tp)}, got {value!r}")
-        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
+        if isinstance(value, list):
+            return [coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    elif tp is bool:
         if isinstance(value, bool):
             return value
     elif tp is int:
@@ -302,29 +530,37 @@ def _coerce(value, tp, key: str):
     elif tp is str:
         if isinstance(value, str):
             return value
-    raise DipacoError(f"config: '{key}' must be {_type_name(tp)}, got {value!r}")
+    raise DipacoError(f"config: '{key}' must be {_describe(tp)}, got {value!r}")
 
 
-def _fields(obj) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(obj)}
-
-
+# ------------------------------------------------------------------------- dicts and overrides
 def apply_dict(obj, values: dict, prefix: str = "") -> None:
     """Set fields of dataclass ``obj`` from a nested dict; unknown keys are errors."""
     hints = typing.get_type_hints(type(obj))
-    fields = _fields(obj)
+    fields = {f.name for f in dataclasses.fields(obj)}
     for key, value in values.items():
         full = f"{prefix}{key}"
         if key not in fields:
-            known = ", ".join(sorted(fields))
-            raise DipacoError(f"config: unknown key '{full}' (known here: {known})")
+            raise DipacoError(f"config: unknown key '{full}' (known here: {', '.join(sorted(fields))})")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise DipacoError(f"config: '{full}' is a section; write it as [{full}] with keys")
             apply_dict(current, value, f"{full}.")
         else:
-            setattr(obj, key, _coerce(value, hints[key], full))
+            setattr(obj, key, coerce(value, hints[key], full))
+
+
+def nest(flat: dict) -> dict:
+    """{"a.b": v} -> {"a": {"b": v}}."""
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        *sections, last = key.split(".")
+        for part in sections:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
 
 
 def parse_override(text: str) -> dict:
@@ -339,15 +575,36 @@ def parse_override(text: str) -> dict:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
-    out: dict = {}
-    node = out
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return out
+    return nest({key: value})
 
 
+# ------------------------------------------------------------------------------------ checks
+def validate(cfg, at: str = "") -> None:
+    """Every section checks itself (inner sections first, then the one that holds them)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            validate(value, f"{at}{f.name}.")
+    if hasattr(cfg, "check"):
+        cfg.check(at)
+
+
+def positive(key: str, value) -> None:
+    if value <= 0:
+        raise DipacoError(f"config: '{key}' must be > 0, got {value}")
+
+
+def at_least(key: str, value, low) -> None:
+    if value < low:
+        raise DipacoError(f"config: '{key}' must be >= {low}, got {value}")
+
+
+def fraction(key: str, value) -> None:
+    if not 0.0 <= value < 1.0:
+        raise DipacoError(f"config: '{key}' must be in [0, 1), got {value}")
+
+
+# ---------------------------------------------------------------------------------- TOML files
 def read_toml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
@@ -358,149 +615,6 @@ def read_toml(path: str | Path) -> dict:
         raise DipacoError(f"config file {path} is not valid TOML ({exc}); fix the file") from None
 
 
-def resolve(cls, file: str | Path | None = None, overrides: list[str] = (), flags: dict | None = None):
-    """Build a config of dataclass ``cls``: defaults -> preset -> file -> --set -> flags."""
-    file_values = read_toml(file) if file else {}
-    override_values = [parse_override(o) for o in overrides]
-    flags = {k: v for k, v in (flags or {}).items() if v is not None}
-    cfg = cls()
-    if "preset" in _fields(cfg):
-        preset = flags.get("preset") or _last_preset(file_values, override_values) or cfg.preset
-        if not isinstance(preset, str) or preset not in PRESETS:
-            raise DipacoError(f"config: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-        apply_dict(cfg, PRESETS[preset])
-        cfg.preset = preset
-    apply_dict(cfg, file_values)
-    for values in override_values:
-        apply_dict(cfg, values)
-    apply_dict(cfg, _nest(flags))
-    validate(cfg)
-    return cfg
-
-
-def _last_preset(file_values: dict, override_values: list[dict]) -> str | None:
-    preset = file_values.get("preset")
-    for values in override_values:
-        preset = values.get("preset", preset)
-    return preset
-
-
-def _nest(flat: dict) -> dict:
-    out: dict = {}
-    for key, value in flat.items():
-        node = out
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
-    return out
-
-
-def validate_streaming(H: int, fragments: int, overlap: int, alpha: float, layout: str, num_layers: int) -> None:
-    """Reject schedules that cannot run, with the fix in the message."""
-    if fragments < 1:
-        raise DipacoError(f"config: 'streaming.fragments' must be >= 1, got {fragments}")
-    if fragments > num_layers:
-        raise DipacoError(f"config: 'streaming.fragments' ({fragments}) exceeds model.num_layers ({num_layers}); "
-                          f"use at most one fragment per block")
-    if H % fragments:
-        raise DipacoError(f"config: 'streaming.fragments' ({fragments}) must divide inner_steps H ({H}); "
-                          f"pick F among the divisors of H")
-    if overlap < 0 or overlap >= H // fragments:
-        raise DipacoError(f"config: 'streaming.overlap' τ={overlap} must satisfy 0 <= τ < H/F = {H // fragments} "
-                          f"(one fragment in flight at a time); lower τ or F, or raise inner_steps")
-    if not 0.0 <= alpha <= 1.0:
-        raise DipacoError(f"config: 'streaming.alpha' must be in [0, 1] (0 replaces, 0.5 averages), got {alpha}")
-    if layout not in ("strided", "sequential"):
-        raise DipacoError(f"config: 'streaming.layout' must be 'strided' or 'sequential', got {layout!r}")
-
-
-def validate(cfg) -> None:
-    """Reject nonsense values with a message naming the key."""
-    def positive(key, value):
-        if value <= 0:
-            raise DipacoError(f"config: '{key}' must be > 0, got {value}")
-
-    def fraction(key, value):
-        if not 0.0 <= value < 1.0:
-            raise DipacoError(f"config: '{key}' must be in [0, 1), got {value}")
-
-    if isinstance(cfg, TrainConfig):
-        for key in ("rounds", "inner_steps", "checkpoint_every"):
-            positive(key, getattr(cfg, key))
-        m = cfg.model
-        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):
-            positive(f"model.{key}", getattr(m, key))
-        if m.hidden_size % m.num_heads:
-            raise DipacoError(f"config: model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
-        if m.num_heads % m.num_kv_heads:
-            raise DipacoError(f"config: model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads ({m.num_kv_heads})")
-        if cfg.grid.private_head and m.tie_embeddings and not cfg.grid.private_embedding:
-            raise DipacoError("config: grid.private_head=true with model.tie_embeddings=true would keep only the final norm "
-                              "private (the tied output head is the shared embedding); set model.tie_embeddings=false to "
-                              "give every path its own output head, or grid.private_embedding=true to make the embedding "
-                              "and its tied head private together")
-        positive("inner.lr", cfg.inner.lr)
-        positive("inner.batch_size", cfg.inner.batch_size)
-        positive("outer.lr", cfg.outer.lr)
-        if not 0.0 <= cfg.outer.momentum < 1.0:
-            raise DipacoError(f"config: 'outer.momentum' must be in [0, 1), got {cfg.outer.momentum}")
-        if cfg.eval.context_tokens < 1:
-            raise DipacoError("config: 'eval.context_tokens' must be >= 1")
-        if cfg.device not in ("auto", "cpu", "cuda"):
-            raise DipacoError(f"config: 'device' must be 'auto', 'cpu' or 'cuda', got {cfg.device!r}")
-        from dipaco.quant import SUPPORTED_BITS  # a leaf module (torch only): no import circle
-
-        s = cfg.streaming
-        validate_streaming(cfg.inner_steps, s.fragments, s.overlap, s.alpha, s.layout, m.num_layers)
-        c = cfg.comm
-        if c.bits not in SUPPORTED_BITS:
-            raise DipacoError(f"config: 'comm.bits' must be one of {', '.join(map(str, SUPPORTED_BITS))}, got {c.bits}")
-        if c.block_size < 2 or c.block_size % 2:
-            raise DipacoError(f"config: 'comm.block_size' must be an even number >= 2, got {c.block_size}")
-        if c.pattern not in ("auto", "allgather", "reduce_scatter"):
-            raise DipacoError(f"config: 'comm.pattern' must be 'auto', 'allgather' or 'reduce_scatter', got {c.pattern!r}")
-        if c.simulate_mbit < 0 or c.simulate_latency_ms < 0:
-            raise DipacoError("config: 'comm.simulate_mbit' and 'comm.simulate_latency_ms' must be >= 0")
-    if isinstance(cfg, ShardConfig):
-        fraction("data.heldout_fraction", cfg.data.heldout_fraction)
-        fraction("data.val_fraction", cfg.data.val_fraction)
-        if cfg.tokenizer.vocab_size < 300:  # one bound, the one --vocab-size's help names
-            raise DipacoError(f"config: 'tokenizer.vocab_size' must be >= 300 (256 bytes + merges + special tokens), "
-                              f"got {cfg.tokenizer.vocab_size}")
-        positive("routing.svd_dims", cfg.routing.svd_dims)
-        r, d = cfg.routing, cfg.data
-        if r.assign not in ("kmeans", "random"):
-            raise DipacoError(f"config: 'routing.assign' must be 'kmeans' or 'random', got {r.assign!r}")
-        if r.cluster_on not in ("prefix", "document"):
-            raise DipacoError(f"config: 'routing.cluster_on' must be 'prefix' or 'document', got {r.cluster_on!r}")
-        if r.features not in ("tfidf", "lm", "encoder"):
-            raise DipacoError(f"config: 'routing.features' must be 'tfidf', 'lm' or 'encoder', got {r.features!r}")
-        if r.features != "tfidf" and not r.feature_model:
-            raise DipacoError(f"config: routing.features={r.features!r} needs a model; pass --feature-model DIR "
-                              f"(a local Hugging Face {'causal LM' if r.features == 'lm' else 'encoder'} directory)")
-        for key in ("prefix_chars", "prefix_tokens", "feature_batch_size", "fit_sample", "kmeans_iters", "kmeans_restarts", "batch_size",
-                    "overlap", "max_tfidf_features"):
-            positive(f"routing.{key}", getattr(r, key))
-        fraction("data.router_fraction", d.router_fraction)
-        if d.heldout_fraction + d.router_fraction + d.val_fraction >= 1.0:
-            raise DipacoError("config: data.heldout_fraction + data.router_fraction + data.val_fraction must be < 1")
-        for key in ("max_router_docs", "max_heldout_docs"):
-            if getattr(d, key) < 0:
-                raise DipacoError(f"config: 'data.{key}' must be >= 0, got {getattr(d, key)}")
-        if d.min_chars < 0:
-            raise DipacoError(f"config: 'data.min_chars' must be >= 0, got {d.min_chars}")
-        if d.max_chars < max(1, d.min_chars):
-            raise DipacoError(f"config: 'data.max_chars' ({d.max_chars}) must be >= data.min_chars ({d.min_chars})")
-        if cfg.num_proc < 0:
-            raise DipacoError(f"config: 'num_proc' must be >= 0 (0 = all cores), got {cfg.num_proc}")
-        if cfg.routing.balance and cfg.routing.balance < 1.0:
-            raise DipacoError(f"config: 'routing.balance' must be 0 (off) or >= 1.0, got {cfg.routing.balance}")
-        if cfg.routing.product_split not in ("interleaved", "contiguous"):
-            raise DipacoError("config: 'routing.product_split' must be 'interleaved' or 'contiguous'")
-
-
-# -------------------------------------------------------------------------------------- output
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
@@ -511,31 +625,10 @@ def from_dict(cls, values: dict):
     return cfg
 
 
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as TOML")
+def _without_none(values: dict) -> dict:
+    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in values.items() if v is not None}
 
 
 def to_toml(cfg) -> str:
-    """Write a config dataclass as TOML (scalars first, then one table per section)."""
-    lines: list[str] = []
-
-    def emit(values: dict, prefix: str):
-        scalars = {k: v for k, v in values.items() if not isinstance(v, dict)}
-        tables = {k: v for k, v in values.items() if isinstance(v, dict)}
-        if prefix:
-            lines.append(f"\n[{prefix}]")
-        for key, value in scalars.items():
-            lines.append(f"{key} = {_toml_value(value)}")
-        for key, value in tables.items():
-            emit(value, f"{prefix}.{key}" if prefix else key)
-
-    emit(to_dict(cfg), "")
-    return "\n".join(lines).lstrip("\n") + "\n"
+    """A config as TOML (scalars first, then one table per section); unset (None) values are left out."""
+    return tomli_w.dumps(_without_none(to_dict(cfg)))

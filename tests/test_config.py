@@ -1,7 +1,14 @@
-import pytest
+import dataclasses
+import typing
 
+import pytest
+import tomli_w
+
+from dipaco import config as C
+from dipaco.cli import build_parser, main
 from dipaco.config import PRESETS, ShardConfig, TrainConfig, from_dict, parse_override, read_toml, resolve, to_dict, to_toml
 from dipaco.errors import DipacoError
+from dipaco.flags import field_docs, flag_fields, flag_name, flags_of, optional_of
 
 
 def test_precedence_defaults_preset_file_set_flags(tmp_path):
@@ -56,3 +63,114 @@ def test_private_head_needs_an_untied_head():
         resolve(TrainConfig, overrides=["grid.private_head=true"])  # tied by default: the head is the embedding
     resolve(TrainConfig, overrides=["grid.private_head=true", "model.tie_embeddings=false"])
     resolve(TrainConfig, overrides=["grid.private_head=true", "grid.private_embedding=true"])  # tied, both private
+
+
+# ------------------------------------------------------------------ flags generated from the dataclasses
+COMMANDS = {"shard": C.ShardConfig, "train": C.TrainConfig, "eval": C.EvalCommandConfig,
+            "generate": C.GenerateConfig, "reshard": C.ReshardConfig}
+
+
+def _subparser(command):
+    return build_parser()._subparsers._group_actions[0].choices[command]
+
+
+def _owner(cls, key):
+    for part in key.split(".")[:-1]:
+        cls = typing.get_type_hints(cls)[part]
+    return cls
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_flag_is_its_field_once(command):
+    """A flag per flag() field, and nothing else config-like: its default, choices and help come from the field."""
+    cls = COMMANDS[command]
+    actions = {a.dest[len("cfg."):]: a for a in _subparser(command)._actions if a.dest.startswith("cfg.")}
+    fields = {key: (f, tp) for key, f, tp in flag_fields(cls)}
+    assert sorted(actions) == sorted(fields) and fields
+    for key, (f, tp) in fields.items():
+        a = actions[key]
+        assert a.option_strings[0] == flag_name(f)
+        assert a.default is None  # the default lives in the dataclass only; an unset flag is not applied
+        doc = field_docs(_owner(cls, key))[f.name]
+        assert a.help.startswith(doc.split(". ")[0].replace("%", "%%")[:40]), (key, a.help)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if default not in (None, "", []) and not isinstance(default, bool):
+            assert a.help.count(f"default: {default}") == 1, (key, a.help)
+        inner, _ = optional_of(tp)
+        if typing.get_origin(inner) is typing.Literal:
+            assert a.choices == list(typing.get_args(inner))
+        else:
+            assert a.choices is None
+
+
+def test_literals_match_their_sources():
+    from dipaco.quant import SUPPORTED_BITS
+
+    assert typing.get_args(C.Bits) == SUPPORTED_BITS
+    assert typing.get_args(C.Preset) == tuple(C.PRESETS)
+
+
+def _leaves(cfg, prefix=""):
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        elif value is not None:
+            yield prefix + f.name, value
+
+
+@pytest.mark.parametrize("cls", list(COMMANDS.values()))
+def test_set_of_every_key_round_trips(cls, tmp_path):
+    base = resolve(cls)
+    for key, value in _leaves(base):
+        text = tomli_w.dumps({"v": value})[len("v = "):].strip()
+        cfg = resolve(cls, overrides=[f"{key}={text}"])
+        assert to_dict(cfg) == to_dict(base), key
+    f = tmp_path / "c.toml"
+    f.write_text(to_toml(base))
+    assert to_dict(resolve(cls, f)) == to_dict(base)
+
+
+def test_flags_land_on_their_keys():
+    args = build_parser().parse_args(["train", "--shards", "s", "--out", "o", "--bits", "8", "--grid", "1",
+                                      "--simulate-bandwidth", "100", "--set", "inner.lr=1e-3"])
+    assert flags_of(args) == {"comm.bits": 8, "grid.shape": "1", "comm.simulate_mbit": 100.0}
+    cfg = resolve(C.TrainConfig, None, args.overrides, flags_of(args))
+    assert (cfg.comm.bits, cfg.grid.shape, cfg.inner.lr) == (8, "1", 1e-3)
+    args = build_parser().parse_args(["eval", "--run", "r", "--shards", "s", "--out", "o.json", "--no-oracle",
+                                      "--route-every", "64", "--route-every", "128"])
+    assert flags_of(args) == {"oracle": False, "route_every": [64, 128]}
+    args = build_parser().parse_args(["shard", "--data", "d", "--out", "o", "--no-spherical", "--features", "lm"])
+    assert flags_of(args) == {"routing.spherical": False, "routing.features": "lm"}
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train", "--shards", "{t}/s", "--out", "{t}/o", "--set", "outer.momentum=1.5"], "'outer.momentum' must be in [0, 1)"),
+    (["train", "--shards", "{t}/s", "--out", "{t}/o", "--set", "comm.bits=3"], "'comm.bits' must be 4, 8, 16 or 32, got 3"),
+    (["train", "--shards", "{t}/s", "--out", "{t}/o", "--fragments", "0"], "'streaming.fragments' must be >= 1, got 0"),
+    (["shard", "--data", "{t}/d", "--out", "{t}/o", "--balance", "0.5"], "'routing.balance' must be 0 (off) or >= 1.0"),
+    (["shard", "--data", "{t}/d", "--out", "{t}/o", "--set", "routing.assign=\"nearest\""],
+     "'routing.assign' must be 'kmeans' or 'random', got 'nearest'"),
+    (["eval", "--run", "{t}/r", "--shards", "{t}/s", "--out", "{t}/r.json", "--set", "temperature=0"],
+     "'temperature' must be > 0"),
+    (["eval", "--run", "{t}/r", "--shards", "{t}/s", "--out", "{t}/r.json", "--set", "split=\"test\""],
+     "'split' must be 'heldout' or 'val'"),
+    (["generate", "--run", "{t}/r", "--mixture", "1", "hello"], "a mixture needs K >= 2 paths"),
+    (["generate", "--run", "{t}/r", "--set", "max_new_tokens=-1", "hello"], "'max_new_tokens' must be >= 0"),
+    (["reshard", "--run", "{t}/r", "--shards", "{t}/s", "--out", "{t}/o", "--holdout-fraction", "1.5"],
+     "'holdout_fraction' must be in [0, 1)"),
+    (["reshard", "--run", "{t}/r", "--shards", "{t}/s", "--out", "{t}/o", "--set", "target=\"even\""],
+     "'target' must be 'current' or 'uniform'"),
+])
+def test_a_bad_value_gets_its_sections_one_line_error(argv, needle, tmp_path, capsys):
+    assert main([a.format(t=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"dipaco {argv[0]}: error: config: ") and needle in err, err
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_a_bad_choice_on_the_command_line_is_argparses_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--shards", "s", "--out", "o", "--bits", "3"])
+    assert exc.value.code == 2
+    assert "dipaco train: error: argument --bits: invalid choice: 3" in capsys.readouterr().err

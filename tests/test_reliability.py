@@ -127,8 +127,17 @@ _words = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=8)
 _by_type = {int: st.one_of(st.integers(1, 64), st.integers(-5, 10**6)).map(str), float: st.floats(allow_nan=True).map(repr),
             bool: st.sampled_from(["true", "false"]), str: st.one_of(_words, _words.map(json.dumps)),
             list[int]: st.lists(st.integers(-2, 12), max_size=3).map(str)}
+
+
+def _of_type(tp):
+    """Values of a field's type as --set text; a Literal: one of its values, or a word that is none of them."""
+    if typing.get_origin(tp) is typing.Literal:
+        return st.one_of(st.sampled_from([json.dumps(v) for v in typing.get_args(tp)]), _words.map(json.dumps))
+    return _by_type[tp]
+
+
 # a real key with a value of its type (it may still fail validation: rounds=-3) ...
-_typed = st.sampled_from(sorted(_LEAVES)).flatmap(lambda k: st.tuples(st.just(k), _by_type[_LEAVES[k]]))
+_typed = st.sampled_from(sorted(_LEAVES)).flatmap(lambda k: st.tuples(st.just(k), _of_type(_LEAVES[k])))
 # ... or anything: sections, unknown keys, empty keys, values of the wrong type, text that is not TOML
 _keys = st.sampled_from(["rounds", "inner.lr", "model.hidden_size", "grid.private_blocks", "outer", "nope.x",
                          "eval.context_tokens", "preset", "grid.shape", "", "a..b"])
