@@ -9,14 +9,16 @@
    the target (the current shard sizes, or uniform), so no path collapses. Report the accuracy against
    the loss labels on the rest (and the k-means router's, for reference).
 3. Re-route every training and validation document of SHARDS (decoded from its tokens, so the shard
-   directory is all it needs) and write SHARDS2 in the same format: same tokenizer, tokens unchanged,
-   validation documents stay validation, the held-out and router documents keep their place.
+   directory is all it needs) and write SHARDS2 in the same format (through ``dipaco.shards.ShardWriter``,
+   the format's one writer): same tokenizer, tokens unchanged, validation documents stay validation, the
+   held-out and router documents keep their place.
+
+A sharding stage: it reads a run (core) and fits a router (``dipaco.routing``) to write shards.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import time
 from pathlib import Path
@@ -26,15 +28,15 @@ from tqdm.auto import tqdm
 
 import dipaco
 from dipaco.errors import DipacoError
-from dipaco.io import atomic_dir, sha256_dir, write_json
+from dipaco.io import atomic_dir
 from dipaco.routing import Router
 from dipaco.routing.discriminative import fit_discriminative
 from dipaco.run import Run
 from dipaco.scoring import document_nll
-from dipaco.shards import ShardSet
+from dipaco.shards import DOC_FOLDERS, ShardSet, ShardWriter, read_docs
 from dipaco.sharding.tokenizer import encode
 from dipaco.routing.router import top_paths
-from dipaco.sharding.writer import ShardWriter, heldout_purity, histogram, route_agreement
+from dipaco.sharding.writer import heldout_purity, histogram, route_agreement
 
 
 def loss_matrix(run: Run, paths: list[str], ids: list[list[int]], at_round: int | None = None,
@@ -148,38 +150,28 @@ def reshard(run_dir: str | Path, shards_dir: str | Path, out: str | Path, target
         if batch:
             flush()
         bar.close()
+        for folder in DOC_FOLDERS:
+            rows = read_docs(shards.root, folder)
+            for r, path in zip(rows, new.route([r["text"] for r in rows]) if rows else []):
+                writer.write_doc(folder, {**r, "path": path})
         writer.close()
 
-        for sub, name in (("heldout", "docs.jsonl"), ("router_docs", "docs.jsonl")):
-            f = shards.root / sub / name
-            rows = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()] if f.is_file() else []
-            routes = new.route([r["text"] for r in rows]) if rows else []
-            (tmp / sub).mkdir()
-            with open(tmp / sub / name, "w", encoding="utf-8") as fh:
-                for r, path in zip(rows, routes):
-                    fh.write(json.dumps({**r, "path": path}, ensure_ascii=False) + "\n")
-
-        stats = writer.stats
         # the tokenizer is copied byte for byte: keep its hash (whatever definition the source shards used)
-        tokenizer_hash, router_hash = shards.manifest["tokenizer"]["sha256"], sha256_dir(tmp / "router")
-        fingerprint = hashlib.sha256(json.dumps([tokenizer_hash, router_hash, stats], sort_keys=True).encode()).hexdigest()
+        sealed = writer.seal(shards.manifest["tokenizer"]["sha256"])
         report = {**scores, "moved_share": moved / total if total else 0.0, "moved_documents": moved,
                   "documents": total, "seconds": round(time.perf_counter() - began, 2)}
-        manifest = dict(shards.manifest)
-        manifest.update({
-            "paths": stats, "labels_per_path": {p: {} for p in paths},  # labels are not stored per token document
-            "tokens": sum(s["train_tokens"] + s["val_tokens"] for s in stats.values()),
-            "path_sizes": histogram([s["train_docs"] + s["val_docs"] for s in stats.values()]),
-            "router": {"sha256": router_hash, **json.loads((tmp / "router" / "router.json").read_text())},
-            "tokenizer": {**shards.manifest["tokenizer"], "sha256": tokenizer_hash},
+        writer.write_manifest({
+            **shards.manifest,  # the source's fields in their order; the content fields are new
+            "paths": writer.stats, "labels_per_path": {p: {} for p in paths},  # labels are not stored per token document
+            "tokens": writer.tokens, "path_sizes": histogram(writer.documents()),
+            "router": {"sha256": sealed.router_sha256, **sealed.router},
+            "tokenizer": {**shards.manifest["tokenizer"], "sha256": sealed.tokenizer_sha256},
             "route_agreement": route_agreement(tmp, 0, total),
             "purity": {"train": None, "heldout": heldout_purity(tmp)},
-            "fingerprint": fingerprint, "reshard": {"source": str(shards.root.resolve()), "run": str(run.root.resolve()),
-                                                    **report},
+            "fingerprint": sealed.fingerprint, "reshard": {"source": str(shards.root.resolve()), "run": str(run.root.resolve()),
+                                                           **report},
             "versions": {"dipaco": dipaco.__version__},
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         })
-        write_json(tmp / "manifest.json", manifest)
         if (shards.root / "config.toml").is_file():
             shutil.copyfile(shards.root / "config.toml", tmp / "config.toml")
     return report

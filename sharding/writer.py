@@ -1,4 +1,4 @@
-"""The shard stage: documents -> tokenizer -> router -> one token shard per path (see dipaco.shards).
+"""The shard stage: documents -> tokenizer -> router -> one token shard per path (the format: dipaco.shards).
 
 Two streaming passes keep memory bounded however large the corpus grows:
 
@@ -13,6 +13,7 @@ Two streaming passes keep memory bounded however large the corpus grows:
    (the router's one input, the same eval and generate use; nearest path, the ``--balance`` cap,
    ``--overlap`` copies) and append the tokens and document offsets to the per-path files.
 
+The files and the manifest are written through ``dipaco.shards.ShardWriter``, the format's one writer.
 Everything is written under a temporary directory renamed into place at the end (``atomic_dir``), so a
 failure leaves nothing behind. Same inputs and seed give a byte-identical directory (manifest
 timestamps aside).
@@ -20,8 +21,6 @@ timestamps aside).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,11 +33,11 @@ import dipaco
 from dipaco.config import ShardConfig, to_dict, to_toml
 from dipaco.errors import DipacoError
 from dipaco.grid import parse_grid
-from dipaco.io import atomic_dir, sha256_dir, write_json
+from dipaco.io import atomic_dir
 from dipaco.outputs import check_out_dir
 from dipaco.routing import Router
 from dipaco.routing.fit import fit_router
-from dipaco.shards import FORMAT, FORMAT_VERSION
+from dipaco.shards import ShardWriter, read_docs
 from dipaco.sharding.sources import DocumentFilter, describe_inputs, iter_rows, skipped_inputs
 from dipaco.sharding.tokenizer import encode, load_tokenizer, tokenizer_sha256, train_tokenizer
 
@@ -156,55 +155,6 @@ def histogram(sizes: list[int], bins: int = 10) -> dict:
             "bins": [round(float(e), 1) for e in edges], "counts": counts.tolist()}
 
 
-class _PathFiles:
-    """Append-only token and offset files of one path split."""
-
-    def __init__(self, directory: Path, split: str):
-        self.bin = open(directory / f"{split}.bin", "wb")
-        self.idx = open(directory / f"{split}.idx", "wb")
-        self.end = 0
-        self.idx.write(np.asarray([0], dtype=np.int64).tobytes())
-
-    def append(self, tokens: bytes, n: int) -> None:
-        self.bin.write(tokens)
-        self.end += n
-        self.idx.write(np.asarray([self.end], dtype=np.int64).tobytes())
-
-    def close(self) -> None:
-        self.bin.close()
-        self.idx.close()
-
-
-class ShardWriter:
-    """Per-path token files plus the counts the manifest reports. Used by ``shard`` and ``reshard``."""
-
-    def __init__(self, root: Path, paths: list[str], dtype, eos_token_id: int):
-        self.paths, self.dtype, self.eos = paths, dtype, eos_token_id
-        self.files = {}
-        for p in paths:
-            (root / "paths" / p).mkdir(parents=True)
-            for split in ("train", "val"):
-                self.files[p, split] = _PathFiles(root / "paths" / p, split)
-        self.stats = {p: {"train_docs": 0, "train_tokens": 0, "val_docs": 0, "val_tokens": 0} for p in paths}
-        self.labels: dict[str, dict[str, int]] = {p: {} for p in paths}
-
-    def write(self, ids, paths: list[str], split: str, label: str | None) -> None:
-        arr = np.asarray(ids, dtype=self.dtype)
-        if not len(arr) or arr[-1] != self.eos:
-            arr = np.append(arr, np.asarray([self.eos], dtype=self.dtype))
-        raw = arr.tobytes()
-        for p in paths:
-            self.files[p, split].append(raw, len(arr))
-            self.stats[p][f"{split}_docs"] += 1
-            self.stats[p][f"{split}_tokens"] += len(arr)
-            if label is not None:
-                self.labels[p][label] = self.labels[p].get(label, 0) + 1
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
-
-
 class StreamAssigner:
     """Batch assignment of training documents while streaming: nearest path (the router's distances,
     balance offsets included), a hard cap of ``capacity`` documents per path when balancing (overflow
@@ -236,10 +186,6 @@ class StreamAssigner:
                 self.overlap_copies += len(chosen) - 1
             out.append(chosen)
         return out
-
-
-def _write_jsonl(fh, text: str, label: str | None, path: str) -> None:
-    fh.write(json.dumps({"text": text, "label": label, "path": path}, ensure_ascii=False) + "\n")
 
 
 def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: str | None = None,
@@ -280,10 +226,6 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
         assigner = StreamAssigner(num_paths, capacity, r.overlap)
         writer = ShardWriter(tmp, paths, dtype, eos)
         val_draw = _Uniform(cfg.seed, 3)
-        (tmp / "heldout").mkdir()
-        (tmp / "router_docs").mkdir()
-        heldout_fh = open(tmp / "heldout" / "docs.jsonl", "w", encoding="utf-8")
-        router_fh = open(tmp / "router_docs" / "docs.jsonl", "w", encoding="utf-8")
         filt = DocumentFilter(d.min_chars, d.max_chars, dedup=False)  # roles already hold the dedup decision
         bar = tqdm(total=len(roles), desc="tokenize+route+write", unit="doc", disable=not progress, dynamic_ncols=True)
         batch: list[tuple[str, str | None, int]] = []
@@ -302,7 +244,8 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
             train_rows = [i for i, (_, _, role) in enumerate(rows) if role == TRAIN]
             for i, (text, label, role) in enumerate(rows):
                 if role != TRAIN:
-                    _write_jsonl(heldout_fh if role == HELDOUT else router_fh, text, label, paths[int(dist[i].argmin())])
+                    writer.write_doc("heldout" if role == HELDOUT else "router_docs",
+                                     {"text": text, "label": label, "path": paths[int(dist[i].argmin())]})
             if train_rows:
                 is_val = [val_draw() < d.val_fraction for _ in train_rows]
                 for i, val, targets in zip(train_rows, is_val, assigner.assign(dist[train_rows], is_val)):
@@ -331,8 +274,6 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
             pool.shutdown(wait=True)
             bar.close()
             writer.close()
-            heldout_fh.close()
-            router_fh.close()
         t_write = time.perf_counter() - began
 
         stats, labels = writer.stats, writer.labels
@@ -341,54 +282,41 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
             raise DipacoError(f"{len(empty)} of {num_paths} paths got no training documents (e.g. {', '.join(empty[:3])}): "
                               f"{counts['train']} training documents do not spread over grid {cfg.grid}; "
                               f"use a smaller --grid, --balance, or more data")
-        tokenizer_hash, router_hash = tokenizer_sha256(tmp / "tokenizer"), sha256_dir(tmp / "router")
-        fingerprint = hashlib.sha256(json.dumps([tokenizer_hash, router_hash, stats], sort_keys=True).encode()).hexdigest()
-        sizes = [s["train_docs"] + s["val_docs"] for s in stats.values()]
-        manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "grid": cfg.grid, "paths": stats,
+        sealed = writer.seal(tokenizer_sha256(tmp / "tokenizer"))
+        manifest = writer.write_manifest({
+            "grid": cfg.grid, "paths": stats,
             "labels_per_path": labels, "token_dtype": np.dtype(dtype).name, "vocab_size": vocab_size,
             "eos_token_id": eos, "documents": counts["documents"], "train_documents": counts["train"],
             "heldout_documents": counts["heldout"], "router_documents": counts["router"],
-            "tokens": sum(s["train_tokens"] + s["val_tokens"] for s in stats.values()),
+            "tokens": writer.tokens,
             "dropped": {k: v for k, v in scanned["dropped"].items() if k != "truncated"},
             "truncated": scanned["dropped"]["truncated"], "invalid_utf8": scanned["invalid_utf8"],
             "inputs": input_info,
             # files in the input directories that were not read (no known extension), so none goes unnoticed
             "skipped_files": {"count": len(skipped), "examples": skipped[:5]},
-            "path_sizes": histogram(sizes),
+            "path_sizes": histogram(writer.documents()),
             "assignment": {"assign": r.assign, "cluster_on": r.cluster_on, "prefix_tokens": r.prefix_tokens,
                            "balance": r.balance, "capacity": capacity, "spilled": assigner.spilled,
                            "overlap": r.overlap, "overlap_copies": assigner.overlap_copies},
             "route_agreement": route_agreement(tmp, assigner.spilled, counts["train"]),
             "purity": {"train": purity(labels)["overall"], "heldout": heldout_purity(tmp)},
-            "tokenizer": {"source": str(tokenizer_dir) if tokenizer_dir else "trained", "sha256": tokenizer_hash},
-            "router": {"sha256": router_hash, "fit_documents": min(r.fit_sample, counts["train"]),
-                       **json.loads((tmp / "router" / "router.json").read_text())},
-            "fingerprint": fingerprint, "config": to_dict(cfg),
+            "tokenizer": {"source": str(tokenizer_dir) if tokenizer_dir else "trained", "sha256": sealed.tokenizer_sha256},
+            "router": {"sha256": sealed.router_sha256, "fit_documents": min(r.fit_sample, counts["train"]), **sealed.router},
+            "fingerprint": sealed.fingerprint, "config": to_dict(cfg),
             "versions": {"dipaco": dipaco.__version__}, "threads": threads,
             "seconds": round(time.perf_counter() - began, 2),
             "timing": {"scan": round(t_scan, 2), "tokenizer": round(t_tok - t_scan, 2),
                        "router": round(t_router - t_tok, 2), "write": round(t_write - t_router, 2)},
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        write_json(tmp / "manifest.json", manifest)
+        })
         (tmp / "config.toml").write_text(to_toml(cfg))
     return manifest
-
-
-def _aside_docs(root: Path, sub: str = "heldout") -> list[dict]:
-    f = root / sub / "docs.jsonl"
-    if not f.is_file():
-        return []
-    with open(f, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
 
 
 def route_agreement(root: Path, spilled: int, train_documents: int) -> dict:
     """Share of held-out documents whose path, as written by the shard stage, is the path the frozen router
     (``Router.load(root/router)``, as ``dipaco eval`` loads it) answers from the text alone; 1.0 when routing
     is one function. Training documents differ only where the ``--balance`` cap spilled them."""
-    docs = _aside_docs(root)
+    docs = read_docs(root, "heldout")
     routes = Router.load(root / "router").route([x["text"] for x in docs]) if docs else []
     same = sum(r == x["path"] for r, x in zip(routes, docs))
     return {"heldout": same / len(docs) if docs else None, "heldout_documents": len(docs),
@@ -397,7 +325,7 @@ def route_agreement(root: Path, spilled: int, train_documents: int) -> dict:
 
 def heldout_purity(root: Path) -> float | None:
     counts: dict[str, dict[str, int]] = {}
-    for x in _aside_docs(root):
+    for x in read_docs(root, "heldout"):
         if x.get("label") is not None:
             c = counts.setdefault(x["path"], {})
             c[x["label"]] = c.get(x["label"], 0) + 1
