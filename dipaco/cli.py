@@ -215,9 +215,10 @@ def read_prompts(path: str) -> list[str]:
 def cmd_fit_window_router(args) -> None:
     from dipaco.eval.window_router import fit_window_router
 
+    cfg = _resolve(args, C.WindowRouterConfig)
     check_writable(Path(args.run) / "window_routers" / f"w{args.window}", "--run")
-    rep = fit_window_router(args.run, args.shards, args.window, args.round, args.max_tokens, args.holdout_fraction,
-                            args.seed, args.overwrite, progress=not args.quiet)
+    rep = fit_window_router(args.run, args.shards, args.window, cfg.round, cfg.max_tokens, cfg.holdout_fraction,
+                            cfg.seed, args.overwrite, progress=not args.quiet)
     print(f"wrote {rep['out']}: {rep['examples']} windows of {rep['window']} tokens from {rep['router_documents']} router "
           f"documents (round {rep['round']}), {rep['seconds']:.0f} s")
     if rep["accuracy"] is not None:
@@ -298,12 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, help="run directory (the router is saved in RUN/window_routers/w<W>)")
     p.add_argument("--shards", required=True, help="the shard directory the run was trained on")
     p.add_argument("--window", type=int, required=True, metavar="W", help="tokens per window, e.g. 64")
-    p.add_argument("--round", type=int, help="label with the losses of this round (default latest)")
-    p.add_argument("--max-tokens", type=int, default=4096, help="tokens of each router document used")
-    p.add_argument("--holdout-fraction", type=float, default=0.2,
-                   help="router documents held aside to report accuracy (the saved router is then fitted on all)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace the run's window router for W")
+    _config_args(p, C.WindowRouterConfig, example="max_tokens=2048")
     p.set_defaults(func=cmd_fit_window_router)
 
     p = sub.add_parser("export", help="write one path as a plain Hugging Face model directory")

@@ -434,6 +434,24 @@ class ReshardConfig:
         positive(at + "max_tokens", self.max_tokens)
 
 
+
+@dataclass
+class WindowRouterConfig:
+    """``dipaco fit-window-router``: the router of every-W routing, fitted on the router documents."""
+    round: int | None = flag(None)
+    """Label with the losses of this round (default: the latest)."""
+    max_tokens: int = flag(4096)
+    """Tokens of each router document used."""
+    holdout_fraction: float = flag(0.2)
+    """Router documents held aside to report accuracy (the saved router is then fitted on all)."""
+    seed: int = flag(0)
+    """Seed of the held-aside split and of the router fit."""
+
+    def check(self, at: str) -> None:
+        fraction(at + "holdout_fraction", self.holdout_fraction)
+        positive(at + "max_tokens", self.max_tokens)
+
+
 # ---------------------------------------------------------------------------------- resolution
 PRESETS: dict[str, dict] = {
     # A round of 50 steps takes seconds on one CPU core.

@@ -67,7 +67,7 @@ def test_private_head_needs_an_untied_head():
 
 # ------------------------------------------------------------------ flags generated from the dataclasses
 COMMANDS = {"shard": C.ShardConfig, "train": C.TrainConfig, "eval": C.EvalCommandConfig,
-            "generate": C.GenerateConfig, "reshard": C.ReshardConfig}
+            "generate": C.GenerateConfig, "reshard": C.ReshardConfig, "fit-window-router": C.WindowRouterConfig}
 
 
 def _subparser(command):
@@ -161,6 +161,8 @@ def test_flags_land_on_their_keys():
      "'holdout_fraction' must be in [0, 1)"),
     (["reshard", "--run", "{t}/r", "--shards", "{t}/s", "--out", "{t}/o", "--set", "target=\"even\""],
      "'target' must be 'current' or 'uniform'"),
+    (["fit-window-router", "--run", "{t}/r", "--shards", "{t}/s", "--window", "64", "--max-tokens", "0"],
+     "'max_tokens' must be > 0, got 0"),
 ])
 def test_a_bad_value_gets_its_sections_one_line_error(argv, needle, tmp_path, capsys):
     assert main([a.format(t=tmp_path) for a in argv]) == 2
