@@ -8,14 +8,17 @@ import os
 import sys
 from pathlib import Path
 
+from dipaco import command_config as CC
 from dipaco import config as C
 from dipaco.errors import DipacoError
 from dipaco.flags import HelpFormatter, add_flags, flags_of
 from dipaco.outputs import check_out_dir, check_out_file, check_writable, os_error_line
 
 
-def _config_args(p: argparse.ArgumentParser, cls, example: str) -> None:
-    """The flags generated from ``cls``'s fields, then --config FILE and --set KEY=VALUE for every other key."""
+def _config_args(p: argparse.ArgumentParser, cls, func, example: str) -> None:
+    """The flags generated from ``cls``'s fields, then --config FILE and --set KEY=VALUE for every other key;
+    ``func`` runs the command."""
+    p.set_defaults(func=func)
     add_flags(p, cls)
     p.add_argument("--config", help="TOML file with config keys (defaults < preset < file < --set < flags)")
     _set_arg(p, example)
@@ -77,7 +80,7 @@ def print_paths(manifest: dict) -> None:
 def cmd_reshard(args) -> None:
     from dipaco.sharding.reshard import reshard
 
-    cfg = _resolve(args, C.ReshardConfig)
+    cfg = _resolve(args, CC.ReshardConfig)
     check_out_dir(args.out, "shards", inputs={"--run": args.run, "--shards": args.shards}, overwrite=args.overwrite)
     report = reshard(args.run, args.shards, args.out, target=cfg.target, holdout_fraction=cfg.holdout_fraction,
                      max_tokens=cfg.max_tokens, seed=cfg.seed, at_round=cfg.round, overwrite=args.overwrite,
@@ -143,7 +146,7 @@ def cmd_eval(args) -> None:
     from dipaco.eval.perplexity import evaluate
     from dipaco.eval.report import beside, markdown_table, write_report
 
-    cfg = _resolve(args, C.EvalCommandConfig)
+    cfg = _resolve(args, CC.EvalCommandConfig)
     out = Path(args.out)
     if out.suffix.lower() != ".json" and not out.is_dir():
         raise DipacoError(f"--out {out}: the report is JSON; give a file name ending in .json (report.md and plots go beside it)")
@@ -165,7 +168,7 @@ def cmd_generate(args) -> None:
     from dipaco.eval.api import load
     from dipaco.eval.generate import generate
 
-    cfg = _resolve(args, C.GenerateConfig)
+    cfg = _resolve(args, CC.GenerateConfig)
     if args.prompts_file:
         prompts = read_prompts(args.prompts_file)
     else:  # words given without quotes form one prompt
@@ -194,7 +197,7 @@ def cmd_generate(args) -> None:
 
 def read_prompts(path: str) -> list[str]:
     """The non-blank lines of a UTF-8 text file; anything else is one clear line."""
-    from dipaco.sharding.sources import sniff_binary
+    from dipaco.sharding.readers import sniff_binary
 
     hint = "give a UTF-8 text file, one prompt a line"
     try:
@@ -215,7 +218,7 @@ def read_prompts(path: str) -> list[str]:
 def cmd_fit_window_router(args) -> None:
     from dipaco.eval.window_router import fit_window_router
 
-    cfg = _resolve(args, C.WindowRouterConfig)
+    cfg = _resolve(args, CC.WindowRouterConfig)
     check_writable(Path(args.run) / "window_routers" / f"w{args.window}", "--run")
     rep = fit_window_router(args.run, args.shards, args.window, cfg.round, cfg.max_tokens, cfg.holdout_fraction,
                             cfg.seed, args.overwrite, progress=not args.quiet)
@@ -267,8 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="shard directory to create")
     p.add_argument("--tokenizer", help="use this Hugging Face tokenizer directory instead of training one")
     p.add_argument("--overwrite", action="store_true", help="replace --out once the new shards are complete")
-    _config_args(p, C.ShardConfig, example="routing.svd_dims=32")
-    p.set_defaults(func=cmd_shard)
+    _config_args(p, C.ShardConfig, cmd_shard, example="routing.svd_dims=32")
 
     p = sub.add_parser("train", help="train path workers with DiLoCo-style module averaging")
     p.add_argument("--shards", required=True, help="shard directory from `dipaco shard`")
@@ -277,31 +279,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="launch a local torchrun with this many worker processes (127.0.0.1)")
     p.add_argument("--max-restarts", type=int, default=0, help="with --workers: torchrun restarts after a crash "
                    "(each restart resumes from the last complete round)")
-    _config_args(p, C.TrainConfig, "inner.lr=1e-3")
-    p.set_defaults(func=cmd_train)
+    _config_args(p, C.TrainConfig, cmd_train, example="inner.lr=1e-3")
 
     p = sub.add_parser("eval", help="routed perplexity on the held-out documents")
     p.add_argument("--run", action="append", required=True, metavar="[NAME=]RUN", help="run directory (repeatable)")
     p.add_argument("--shards", required=True, help="the shard directory the runs were trained on")
     p.add_argument("--out", required=True, help="report.json to write (report.md and PNG plots go beside it)")
-    _config_args(p, C.EvalCommandConfig, example="temperature=0.05")
-    p.set_defaults(func=cmd_eval)
+    _config_args(p, CC.EvalCommandConfig, cmd_eval, example="temperature=0.05")
 
     p = sub.add_parser("generate", help="route a prompt and continue it with one path")
     p.add_argument("--run", required=True, help="run directory")
     p.add_argument("--shards", help="shard directory (router and tokenizer); default: the run's own")
     p.add_argument("prompt", nargs="*", help="prompt text, quoted (or use --prompts-file)")
     p.add_argument("--prompts-file", help="text file, one prompt a line")
-    _config_args(p, C.GenerateConfig, example="top_p=0.9")
-    p.set_defaults(func=cmd_generate)
+    _config_args(p, CC.GenerateConfig, cmd_generate, example="top_p=0.9")
 
     p = sub.add_parser("fit-window-router", help="fit the router of every-W routing on the router documents")
     p.add_argument("--run", required=True, help="run directory (the router is saved in RUN/window_routers/w<W>)")
     p.add_argument("--shards", required=True, help="the shard directory the run was trained on")
     p.add_argument("--window", type=int, required=True, metavar="W", help="tokens per window, e.g. 64")
     p.add_argument("--overwrite", action="store_true", help="replace the run's window router for W")
-    _config_args(p, C.WindowRouterConfig, example="max_tokens=2048")
-    p.set_defaults(func=cmd_fit_window_router)
+    _config_args(p, CC.WindowRouterConfig, cmd_fit_window_router, example="max_tokens=2048")
 
     p = sub.add_parser("export", help="write one path as a plain Hugging Face model directory")
     p.add_argument("--run", required=True, help="run directory")
@@ -317,8 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", required=True, help="the shard directory the run was trained on")
     p.add_argument("--out", required=True, help="new shard directory to create")
     p.add_argument("--overwrite", action="store_true", help="replace --out once the new shards are complete")
-    _config_args(p, C.ReshardConfig, example="max_tokens=256")
-    p.set_defaults(func=cmd_reshard)
+    _config_args(p, CC.ReshardConfig, cmd_reshard, example="max_tokens=256")
 
     p = sub.add_parser("inspect", help="per-path summary of a shard directory and a PNG of path sizes")
     p.add_argument("shards", help="shard directory")

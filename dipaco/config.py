@@ -9,17 +9,15 @@ Unknown keys and wrong types are errors. The resolved config is written next to 
 
 from __future__ import annotations
 
-import dataclasses
-import tomllib
-import typing
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import tomli_w
-
+from dipaco import settings
 from dipaco.errors import DipacoError
-from dipaco.flags import flag, optional_of
+from dipaco.settings import at_least, flag, fraction, nest, positive
+from dipaco.settings import to_dict, to_toml  # noqa: F401  (importers read them here)
 
 Bits = Literal[4, 8, 16, 32]  # dipaco.quant.SUPPORTED_BITS (a test keeps the two equal)
 Preset = Literal["tiny", "small", "base"]  # the keys of PRESETS (a test keeps the two equal)
@@ -346,112 +344,6 @@ class TrainConfig:
         validate_streaming(self.inner_steps, s.fragments, s.overlap, self.model.num_layers)
 
 
-# ------------------------------------------------------------------------ eval, generate, reshard
-def _mixture(at: str, k: int | None) -> None:
-    if k is not None and k < 2:
-        raise DipacoError(f"config: '{at}mixture' (--mixture) is {k}: a mixture needs K >= 2 paths (K = 1 is the routed "
-                          f"row); leave --mixture out for none")
-
-
-@dataclass
-class EvalCommandConfig:
-    """``dipaco eval``: which rows the report has besides the routed one."""
-    round: int | None = flag(None)
-    """Evaluate this round instead of the latest."""
-    baseline: str = flag("", metavar="RUN")
-    """A dense run (--grid 1) scored on the same tokens."""
-    route_every: list[int] = flag([], metavar="W")
-    """Also re-route every W tokens using the previous window (repeatable)."""
-    early_stopping: bool = flag(False)
-    """Also evaluate each path at its round of lowest validation loss (metrics.jsonl)."""
-    mixture: int | None = flag(None, metavar="K")
-    """Also score a c-BTM mixture of the K nearest paths (2 <= K <= paths)."""
-    temperature: float = flag(0.1)
-    """Mixture weights softmax(-d^2/T)."""
-    oracle: bool = flag(True)
-    """The oracle row (it scores every path on every document; --no-oracle skips it)."""
-    random: bool = flag(True)
-    """The random-routing row."""
-    seed: int = flag(0)
-    """Seed of random routing."""
-    split: Literal["heldout", "val"] = flag("heldout")
-    """Documents scored: 'heldout' (the held-out test documents) or 'val' (every path's validation documents;
-    choose settings on these)."""
-
-    def check(self, at: str) -> None:
-        _mixture(at, self.mixture)
-        positive(at + "temperature", self.temperature)
-        for w in self.route_every:
-            positive(at + "route_every", w)
-
-
-@dataclass
-class GenerateConfig:
-    """``dipaco generate``: decoding and routing of a continuation."""
-    max_new_tokens: int = flag(64)
-    """Tokens to generate after the prompt."""
-    temperature: float = flag(0.0)
-    """Sampling temperature: 0 = greedy; > 0 samples."""
-    top_p: float = flag(1.0)
-    """Nucleus sampling threshold."""
-    seed: int = flag(0)
-    """Seed of sampling."""
-    round: int | None = flag(None)
-    """Checkpoint round (default: the latest)."""
-    path: str = flag("")
-    """Use this path (e.g. 0-1) instead of routing."""
-    mixture: int | None = flag(None, metavar="K")
-    """Mix the K nearest paths (c-BTM; 2 <= K <= paths)."""
-    mixture_temperature: float = flag(0.1)
-    """Mixture weights softmax(-d^2/T)."""
-    route_every: int | None = flag(None, metavar="W")
-    """Re-route after every W new tokens (the run's window router for W, else the shard router); unset: W of the
-    run's window router if it has exactly one; 0 keeps one path."""
-
-    def check(self, at: str) -> None:
-        _mixture(at, self.mixture)
-        at_least(at + "max_new_tokens", self.max_new_tokens, 0)
-        at_least(at + "temperature", self.temperature, 0)
-        positive(at + "mixture_temperature", self.mixture_temperature)
-
-
-@dataclass
-class ReshardConfig:
-    """``dipaco reshard``: the discriminative router fitted on a run's per-path losses."""
-    target: Literal["current", "uniform"] = flag("current")
-    """Path distribution the router's bias keeps: the current shard sizes or uniform."""
-    holdout_fraction: float = flag(0.2)
-    """Router documents kept aside to measure accuracy."""
-    max_tokens: int = flag(512)
-    """Tokens of each router document scored."""
-    round: int | None = flag(None)
-    """Score with this round instead of the latest."""
-    seed: int = flag(0)
-    """Seed of the held-aside split and of the router fit."""
-
-    def check(self, at: str) -> None:
-        fraction(at + "holdout_fraction", self.holdout_fraction)
-        positive(at + "max_tokens", self.max_tokens)
-
-
-
-@dataclass
-class WindowRouterConfig:
-    """``dipaco fit-window-router``: the router of every-W routing, fitted on the router documents."""
-    round: int | None = flag(None)
-    """Label with the losses of this round (default: the latest)."""
-    max_tokens: int = flag(4096)
-    """Tokens of each router document used."""
-    holdout_fraction: float = flag(0.2)
-    """Router documents held aside to report accuracy (the saved router is then fitted on all)."""
-    seed: int = flag(0)
-    """Seed of the held-aside split and of the router fit."""
-
-    def check(self, at: str) -> None:
-        fraction(at + "holdout_fraction", self.holdout_fraction)
-        positive(at + "max_tokens", self.max_tokens)
-
-
 # ---------------------------------------------------------------------------------- resolution
 PRESETS: dict[str, dict] = {
     # A round of 50 steps takes seconds on one CPU core.
@@ -464,6 +356,24 @@ PRESETS: dict[str, dict] = {
                            intermediate_size=3584, max_seq_len=1024, tie_embeddings=False),
              "inner": dict(batch_size=32, lr=4e-4, warmup_steps=1000)},
 }
+
+
+def _user_error(fn):
+    """settings.py is generic and raises SettingError; what config.py hands out raises the user's DipacoError."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except settings.SettingError as exc:
+            raise DipacoError(str(exc)) from None
+    return wrapped
+
+
+apply_dict = _user_error(settings.apply_dict)
+from_dict = _user_error(settings.from_dict)
+parse_override = _user_error(settings.parse_override)
+read_toml = _user_error(settings.read_toml)
+validate = _user_error(settings.validate)
 
 
 def resolve(cls, file: str | Path | None = None, overrides: list[str] = (), flags: dict | None = None):
@@ -504,149 +414,3 @@ def validate_streaming(H: int, fragments: int, overlap: int, num_layers: int) ->
     if overlap < 0 or overlap >= H // fragments:
         raise DipacoError(f"config: 'streaming.overlap' τ={overlap} must satisfy 0 <= τ < H/F = {H // fragments} "
                           f"(one fragment in flight at a time); lower τ or F, or raise inner_steps")
-
-
-# ------------------------------------------------------------------------------------ machinery
-def one_of(values) -> str:
-    """'a', 'b' or 'c' (numbers without quotes)."""
-    shown = [repr(v) for v in values]
-    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]
-
-
-def _describe(tp) -> str:
-    tp, _ = optional_of(tp)
-    origin = typing.get_origin(tp)
-    if origin is typing.Literal:
-        return one_of(typing.get_args(tp))
-    if origin is list:
-        return f"a list of {_describe(typing.get_args(tp)[0])}"
-    return getattr(tp, "__name__", str(tp))
-
-
-def coerce(value, tp, key: str):
-    """Check (and gently convert: an int where a float is wanted) a value against a field's annotated type."""
-    tp, optional = optional_of(tp)
-    if value is None and optional:
-        return None
-    origin = typing.get_origin(tp)
-    if origin is typing.Literal:
-        if any(value == a and type(value) is type(a) for a in typing.get_args(tp)):
-            return value
-    elif origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if isinstance(value, list):
-            return [coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise DipacoError(f"config: '{key}' must be {_describe(tp)}, got {value!r}")
-
-
-# ------------------------------------------------------------------------- dicts and overrides
-def apply_dict(obj, values: dict, prefix: str = "") -> None:
-    """Set fields of dataclass ``obj`` from a nested dict; unknown keys are errors."""
-    hints = typing.get_type_hints(type(obj))
-    fields = {f.name for f in dataclasses.fields(obj)}
-    for key, value in values.items():
-        full = f"{prefix}{key}"
-        if key not in fields:
-            raise DipacoError(f"config: unknown key '{full}' (known here: {', '.join(sorted(fields))})")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise DipacoError(f"config: '{full}' is a section; write it as [{full}] with keys")
-            apply_dict(current, value, f"{full}.")
-        else:
-            setattr(obj, key, coerce(value, hints[key], full))
-
-
-def nest(flat: dict) -> dict:
-    """{"a.b": v} -> {"a": {"b": v}}."""
-    out: dict = {}
-    for key, value in flat.items():
-        node = out
-        *sections, last = key.split(".")
-        for part in sections:
-            node = node.setdefault(part, {})
-        node[last] = value
-    return out
-
-
-def parse_override(text: str) -> dict:
-    """``a.b=value`` -> {"a": {"b": value}}; the value is read as TOML, else as a plain string."""
-    if "=" not in text:
-        raise DipacoError(f"--set {text!r}: write it as section.key=value, e.g. --set inner.lr=1e-3")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise DipacoError(f"--set {text!r}: the key is empty; write section.key=value")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return nest({key: value})
-
-
-# ------------------------------------------------------------------------------------ checks
-def validate(cfg, at: str = "") -> None:
-    """Every section checks itself (inner sections first, then the one that holds them)."""
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            validate(value, f"{at}{f.name}.")
-    if hasattr(cfg, "check"):
-        cfg.check(at)
-
-
-def positive(key: str, value) -> None:
-    if value <= 0:
-        raise DipacoError(f"config: '{key}' must be > 0, got {value}")
-
-
-def at_least(key: str, value, low) -> None:
-    if value < low:
-        raise DipacoError(f"config: '{key}' must be >= {low}, got {value}")
-
-
-def fraction(key: str, value) -> None:
-    if not 0.0 <= value < 1.0:
-        raise DipacoError(f"config: '{key}' must be in [0, 1), got {value}")
-
-
-# ---------------------------------------------------------------------------------- TOML files
-def read_toml(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise DipacoError(f"config file {path} does not exist; pass an existing TOML file to --config")
-    try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise DipacoError(f"config file {path} is not valid TOML ({exc}); fix the file") from None
-
-
-def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def from_dict(cls, values: dict):
-    cfg = cls()
-    apply_dict(cfg, values)
-    return cfg
-
-
-def _without_none(values: dict) -> dict:
-    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in values.items() if v is not None}
-
-
-def to_toml(cfg) -> str:
-    """A config as TOML (scalars first, then one table per section); unset (None) values are left out."""
-    return tomli_w.dumps(_without_none(to_dict(cfg)))

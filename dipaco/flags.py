@@ -1,4 +1,4 @@
-"""Command-line flags generated from config dataclasses (config.py declares them; this file imports none of the project).
+"""Command-line flags generated from config dataclasses (config.py declares them with settings.flag).
 
 A field declared ``flag(default)`` is also the flag ``--<name with dashes>`` (or the name given). Its help is
 the first sentence of the field's docstring, then its default and, where the flag's name differs from it, its
@@ -16,32 +16,16 @@ import functools
 import inspect
 import re
 import textwrap
-import types
 import typing
 
+from dipaco.settings import optional_of
+
 FLAG_DEST = "cfg."  # argparse dest of a generated flag: "cfg." + the field's dotted key
-
-
-def flag(default, name: str = "", *, metavar: str | None = None):
-    """A field that is also a command-line flag: ``name`` (default ``--<field name with dashes>``)."""
-    meta = {"flag": name or True, "metavar": metavar}
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
 
 
 def flag_name(f: dataclasses.Field) -> str:
     name = f.metadata["flag"]
     return name if isinstance(name, str) else "--" + f.name.replace("_", "-")
-
-
-def optional_of(tp):
-    """(inner type, True) for ``X | None``, else (tp, False)."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return tp, False
 
 
 

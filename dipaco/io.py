@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from dipaco.errors import DipacoError
+from dipaco.settings import read_parsed
 
 
 @contextlib.contextmanager
@@ -82,13 +83,9 @@ def write_json(path: str | Path, obj) -> None:
 
 
 def read_json(path: str | Path, what: str = "file") -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise DipacoError(f"{what} {path} is missing; point to a complete dipaco output directory")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DipacoError(f"{what} {path} is not valid JSON ({exc}); regenerate it") from None
+    return read_parsed(path, json.loads, json.JSONDecodeError,
+                       what + " {path} is missing; point to a complete dipaco output directory",
+                       what + " {path} is not valid JSON ({exc}); regenerate it", error=DipacoError)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:

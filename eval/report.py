@@ -46,7 +46,14 @@ def _plt():
     return plt
 
 
-def _save(plt, fig, path) -> None:
+def _save(plt, fig, ax, path, title: str, ylabel: str, xlabel: str = "", legend_size: int = 0) -> None:
+    """Every plot here ends alike: axis labels, title, legend if asked, then the PNG."""
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if legend_size:
+        ax.legend(fontsize=legend_size)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -60,9 +67,7 @@ def plot(report: dict, path: str | Path) -> None:
     bars = ax.bar(range(len(names)), values, color="#4878a8")
     ax.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=8)
     ax.bar_label(bars, fmt="%.1f", fontsize=8)
-    ax.set_ylabel("held-out perplexity (prefix not scored)")
-    ax.set_title("perplexity per method")
-    _save(plt, fig, path)
+    _save(plt, fig, ax, path, "perplexity per method", "held-out perplexity (prefix not scored)")
 
 
 def plot_rounds(report: dict, path: str | Path) -> bool:
@@ -77,12 +82,8 @@ def plot_rounds(report: dict, path: str | Path) -> bool:
         ax.plot(rounds, [rows[r]["val_perplexity"] for r in rows], marker="o",
                 label=f"{run} (mean over paths)" if many else run)
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("round (outer step)")
-    ax.set_ylabel("validation perplexity")
     ax.set_yscale("log")
-    ax.set_title("perplexity over rounds")
-    ax.legend(fontsize=8)
-    _save(plt, fig, path)
+    _save(plt, fig, ax, path, "perplexity over rounds", "validation perplexity", "round (outer step)", legend_size=8)
     return True
 
 
@@ -100,11 +101,7 @@ def plot_paths(report: dict, path: str | Path) -> bool:
         ax.bar([k + i * width for k in range(len(paths))], [pp.get(p, {}).get("documents", 0) for p in paths],
                width, label=name)
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(paths))], paths)
-    ax.set_xlabel("path")
-    ax.set_ylabel("held-out documents")
-    ax.set_title("held-out documents per path")
-    ax.legend(fontsize=7)
-    _save(plt, fig, path)
+    _save(plt, fig, ax, path, "held-out documents per path", "held-out documents", "path", legend_size=7)
     return True
 
 

@@ -4,6 +4,7 @@ import typing
 import pytest
 import tomli_w
 
+from dipaco import command_config as CC
 from dipaco import config as C
 from dipaco.cli import build_parser, main
 from dipaco.config import PRESETS, ShardConfig, TrainConfig, from_dict, parse_override, read_toml, resolve, to_dict, to_toml
@@ -66,8 +67,8 @@ def test_private_head_needs_an_untied_head():
 
 
 # ------------------------------------------------------------------ flags generated from the dataclasses
-COMMANDS = {"shard": C.ShardConfig, "train": C.TrainConfig, "eval": C.EvalCommandConfig,
-            "generate": C.GenerateConfig, "reshard": C.ReshardConfig, "fit-window-router": C.WindowRouterConfig}
+COMMANDS = {"shard": C.ShardConfig, "train": C.TrainConfig, "eval": CC.EvalCommandConfig,
+            "generate": CC.GenerateConfig, "reshard": CC.ReshardConfig, "fit-window-router": CC.WindowRouterConfig}
 
 
 def _subparser(command):

@@ -1,0 +1,117 @@
+"""Config sections of the commands that use a trained run: eval, generate, reshard, fit-window-router.
+
+Declared like the shard and train sections in config.py (type, default, docstring; flags.py makes the flags)
+and resolved by config.resolve; they live apart so that config.py stays the bottom of the core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from dipaco.config import at_least, flag, fraction, positive
+from dipaco.errors import DipacoError
+
+
+def _mixture(at: str, k: int | None) -> None:
+    if k is not None and k < 2:
+        raise DipacoError(f"config: '{at}mixture' (--mixture) is {k}: a mixture needs K >= 2 paths (K = 1 is the routed "
+                          f"row); leave --mixture out for none")
+
+
+@dataclass
+class EvalCommandConfig:
+    """``dipaco eval``: which rows the report has besides the routed one."""
+    round: int | None = flag(None)
+    """Evaluate this round instead of the latest."""
+    baseline: str = flag("", metavar="RUN")
+    """A dense run (--grid 1) scored on the same tokens."""
+    route_every: list[int] = flag([], metavar="W")
+    """Also re-route every W tokens using the previous window (repeatable)."""
+    early_stopping: bool = flag(False)
+    """Also evaluate each path at its round of lowest validation loss (metrics.jsonl)."""
+    mixture: int | None = flag(None, metavar="K")
+    """Also score a c-BTM mixture of the K nearest paths (2 <= K <= paths)."""
+    temperature: float = flag(0.1)
+    """Mixture weights softmax(-d^2/T)."""
+    oracle: bool = flag(True)
+    """The oracle row (it scores every path on every document; --no-oracle skips it)."""
+    random: bool = flag(True)
+    """The random-routing row."""
+    seed: int = flag(0)
+    """Seed of random routing."""
+    split: Literal["heldout", "val"] = flag("heldout")
+    """Documents scored: 'heldout' (the held-out test documents) or 'val' (every path's validation documents;
+    choose settings on these)."""
+
+    def check(self, at: str) -> None:
+        _mixture(at, self.mixture)
+        positive(at + "temperature", self.temperature)
+        for w in self.route_every:
+            positive(at + "route_every", w)
+
+
+@dataclass
+class GenerateConfig:
+    """``dipaco generate``: decoding and routing of a continuation."""
+    max_new_tokens: int = flag(64)
+    """Tokens to generate after the prompt."""
+    temperature: float = flag(0.0)
+    """Sampling temperature: 0 = greedy; > 0 samples."""
+    top_p: float = flag(1.0)
+    """Nucleus sampling threshold."""
+    seed: int = flag(0)
+    """Seed of sampling."""
+    round: int | None = flag(None)
+    """Checkpoint round (default: the latest)."""
+    path: str = flag("")
+    """Use this path (e.g. 0-1) instead of routing."""
+    mixture: int | None = flag(None, metavar="K")
+    """Mix the K nearest paths (c-BTM; 2 <= K <= paths)."""
+    mixture_temperature: float = flag(0.1)
+    """Mixture weights softmax(-d^2/T)."""
+    route_every: int | None = flag(None, metavar="W")
+    """Re-route after every W new tokens (the run's window router for W, else the shard router); unset: W of the
+    run's window router if it has exactly one; 0 keeps one path."""
+
+    def check(self, at: str) -> None:
+        _mixture(at, self.mixture)
+        at_least(at + "max_new_tokens", self.max_new_tokens, 0)
+        at_least(at + "temperature", self.temperature, 0)
+        positive(at + "mixture_temperature", self.mixture_temperature)
+
+
+@dataclass
+class ReshardConfig:
+    """``dipaco reshard``: the discriminative router fitted on a run's per-path losses."""
+    target: Literal["current", "uniform"] = flag("current")
+    """Path distribution the router's bias keeps: the current shard sizes or uniform."""
+    holdout_fraction: float = flag(0.2)
+    """Router documents kept aside to measure accuracy."""
+    max_tokens: int = flag(512)
+    """Tokens of each router document scored."""
+    round: int | None = flag(None)
+    """Score with this round instead of the latest."""
+    seed: int = flag(0)
+    """Seed of the held-aside split and of the router fit."""
+
+    def check(self, at: str) -> None:
+        fraction(at + "holdout_fraction", self.holdout_fraction)
+        positive(at + "max_tokens", self.max_tokens)
+
+
+@dataclass
+class WindowRouterConfig:
+    """``dipaco fit-window-router``: the router of every-W routing, fitted on the router documents."""
+    round: int | None = flag(None)
+    """Label with the losses of this round (default: the latest)."""
+    max_tokens: int = flag(4096)
+    """Tokens of each router document used."""
+    holdout_fraction: float = flag(0.2)
+    """Router documents held aside to report accuracy (the saved router is then fitted on all)."""
+    seed: int = flag(0)
+    """Seed of the held-aside split and of the router fit."""
+
+    def check(self, at: str) -> None:
+        fraction(at + "holdout_fraction", self.holdout_fraction)
+        positive(at + "max_tokens", self.max_tokens)
