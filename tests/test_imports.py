@@ -158,3 +158,22 @@ def test_only_comm_imports_torch_distributed():
     users = sorted(m for m, names in raw.items() if any(n == "torch.distributed" or n.startswith("torch.distributed.")
                                                         for n in names))
     assert users == ["dipaco.comm"], users
+
+
+def longest_chain(graph: dict[str, set[str]], among: set[str]) -> list[str]:
+    """The longest import chain among ``among`` (no circles, so it ends): its length is the number of floors."""
+    memo: dict[str, list[str]] = {}
+
+    def chain(m: str) -> list[str]:
+        if m not in memo:
+            memo[m] = [m] + max((chain(t) for t in sorted(graph[m] & among)), key=len, default=[])
+        return memo[m]
+
+    return max((chain(m) for m in sorted(among)), key=len, default=[])
+
+
+def test_core_stands_on_at_most_six_floors():
+    """A module that imports no other core module is on floor 1; one that imports floor-n modules is on n + 1."""
+    graph, _ = imports(modules())
+    chain = longest_chain(graph, {m for m in graph if floor(m) == "core"})
+    assert len(chain) <= 6, f"dipaco/ stands on {len(chain)} floors: {' -> '.join(chain)}; flatten that chain"
