@@ -8,6 +8,7 @@ DipacoError.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -74,7 +75,10 @@ def coerce(value, tp, key: str):
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            if math.isfinite(value):
+                return float(value)
+            # NaN passes every range check (each comparison is false), so it is refused here, with infinity
+            raise SettingError(f"config: '{key}' must be a finite number, got {value!r}")
     elif tp is str:
         if isinstance(value, str):
             return value

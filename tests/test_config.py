@@ -71,6 +71,24 @@ COMMANDS = {"shard": C.ShardConfig, "train": C.TrainConfig, "eval": CC.EvalComma
             "generate": CC.GenerateConfig, "reshard": CC.ReshardConfig, "fit-window-router": CC.WindowRouterConfig}
 
 
+def _float_keys(cls, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, _ = optional_of(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            yield from _float_keys(tp, f"{prefix}{f.name}.")
+        elif tp is float:
+            yield prefix + f.name
+
+
+@pytest.mark.parametrize("cls,key", [(cls, key) for cls in COMMANDS.values() for key in _float_keys(cls)])
+def test_float_settings_refuse_nan_and_infinity(cls, key):
+    """Found by fuzzing: inner.lr=nan passed, as NaN passes every range check (each comparison is false)."""
+    for value in ("nan", "inf", "-inf"):
+        with pytest.raises(DipacoError, match=f"^config: '{key}' must be a finite number, got {value}$"):
+            resolve(cls, overrides=[f"{key}={value}"])
+
+
 def _subparser(command):
     return build_parser()._subparsers._group_actions[0].choices[command]
 
@@ -148,6 +166,8 @@ def test_flags_land_on_their_keys():
 @pytest.mark.parametrize("argv,needle", [
     (["train", "--shards", "{t}/s", "--out", "{t}/o", "--set", "outer.momentum=1.5"], "'outer.momentum' must be in [0, 1)"),
     (["train", "--shards", "{t}/s", "--out", "{t}/o", "--set", "comm.bits=3"], "'comm.bits' must be 4, 8, 16 or 32, got 3"),
+    (["train", "--shards", "{t}/s", "--out", "{t}/o", "--set", "inner.lr=nan"], "'inner.lr' must be a finite number, got nan"),
+    (["shard", "--data", "{t}/d", "--out", "{t}/o", "--balance", "inf"], "'routing.balance' must be a finite number, got inf"),
     (["train", "--shards", "{t}/s", "--out", "{t}/o", "--fragments", "0"], "'streaming.fragments' must be >= 1, got 0"),
     (["shard", "--data", "{t}/d", "--out", "{t}/o", "--balance", "0.5"], "'routing.balance' must be 0 (off) or >= 1.0"),
     (["shard", "--data", "{t}/d", "--out", "{t}/o", "--set", "routing.assign=\"nearest\""],
