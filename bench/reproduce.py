@@ -36,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -614,18 +615,24 @@ def markdown(name: str, res: dict, s: Scale, plots: dict[str, str]) -> str:
                   "| bytes sent | x fewer than DP bf16 | train s |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
               f"| pretrained start (all runs) | {fmt(p['heldout_perplexity'])} | | | | | | | | |"]
-    for r in res["runs"].values():
+    for name, r in res["runs"].items():
         label = r["label"] + (" (the same run: the grid chose it)" if r.get("same_run_as") else "")
         ppl = "n/a" if r.get("bytes_only") else fmt(r["perplexity"])
-        lines.append(f"| {label} | {ppl} | {fmt(r.get('val_perplexity'))} | "
+        # only the DiPaCo rows are scored on the validation documents (they are the candidates for the routing
+        # study), and only multi-worker runs send bytes: "-" marks what is not measured, "pending" what is running
+        scored_on_val = name.startswith(("dipaco", "stream")) and not r.get("bytes_only")
+        val = fmt(r.get("val_perplexity")) if scored_on_val else "-"
+        ratio = fmt(r.get("bytes_ratio_vs_dp"), 0) if r.get("workers") != 1 else "-"
+        lines.append(f"| {label} | {ppl} | {val} | "
                      f"{fmt(r.get('parameters_total'), 0)} | {fmt(r.get('parameters_per_path'), 0)} | {r['steps_per_trainee']} | "
                      f"{r['trainees']} ({r.get('workers', '-')}) | {fmt(r.get('bytes_sent'), 0)} | "
-                     f"{fmt(r.get('bytes_ratio_vs_dp'), 0)} | {fmt(r.get('train_seconds'), 0)} |")
+                     f"{ratio} | {fmt(r.get('train_seconds'), 0)} |")
     best = res.get("best_dipaco")
     if best:
         lines += ["", f"Routing, for the best DiPaCo run on the validation documents (**{best['label']}**):", "",
                   "| routing | held-out ppl | how |", "| --- | ---: | --- |"]
-        lines += [f"| {k} | {fmt(v['perplexity'])} | {v.get('routing') or ''} |" for k, v in best["rows"].items()]
+        lines += [f"| {k} | {fmt(v['perplexity'])} | {re.sub(r'[^ ]*/runs/', 'runs/', v.get('routing') or '')} |"
+                  for k, v in best["rows"].items()]
         w = best["window_router"]
         lines += ["", f"Window router: {w['examples']} windows of the router documents; on {w['test_examples']} held-aside "
                       f"windows it picks the lowest-loss path {fmt(w['accuracy'], 3)} of the time (the document's path: "
@@ -711,8 +718,11 @@ def report(corpora: list[Corpus], s: Scale, out: Path, page: Path | None, scale_
                 shutil.copy(out / f, pictures / f)
         prefix = "results/" if page else ""
         blocks.append(markdown(c.name, res, s, {k: prefix + v for k, v in files.items()}))
-    blocks.append(f"Measured wall time of all invocations of this --out: {wall / 60:.1f} min on {os.cpu_count()} cores "
-                  f"(scale `{scale_name}`).")
+    train_s = sum(r.get("train_seconds") or 0 for res in results["corpora"].values() for r in res["runs"].values())
+    blocks.append(f"Compute: the continued runs' training took {train_s / 3600:.1f} process-hours in all (the train s "
+                  f"column, summed; the starts, pilots and evaluations come on top). Wall time recorded by the "
+                  f"invocations of this --out that ran to their end: {wall / 60:.1f} min on {os.cpu_count()} cores "
+                  f"(scale `{scale_name}`; an interrupted invocation records none).")
     block = "\n".join(blocks)
     (out / "RESULTS.md").write_text(block + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
