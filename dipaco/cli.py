@@ -121,7 +121,7 @@ def cmd_train(args) -> None:
                                                "--config": args.config})
     if args.workers:
         from dipaco.launch import launch_local
-        from dipaco.train import preflight
+        from dipaco.run import preflight
 
         preflight(cfg, args.shards, args.out, args.resume, args.workers)  # bad input: exit code 2, no worker started
         return launch_local(args.workers, _without_workers(args.argv), args.max_restarts)

@@ -150,7 +150,7 @@ class RunDirectory:
         return first.rounds * first.inner_steps
 
     def create(self, grid: Grid, plan: Plan, workers: int, parameters: dict[str, int]) -> None:
-        """config.toml, run.json and an empty metrics.jsonl."""
+        """config.toml and run.json; a metrics.jsonl left by an attempt that never wrote round 0 is dropped."""
         cfg, shards = self.cfg, self.shards
         self.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.root / "config.toml", to_toml(cfg))

@@ -41,7 +41,6 @@ from dipaco.io import write_json
 from dipaco.model import PathModel, count_parameters, init_modules, llama_config, new_model
 from dipaco.outer import OuterOptimizer
 from dipaco.run import Plan, RunDirectory, build_grid, init_from_dense, resolve_device, trainee_size
-from dipaco.run import assign, preflight  # noqa: F401  (their old home: cli.py and tests import them from here)
 from dipaco.shards import BatchSampler, ShardSet
 from dipaco.sync import ModuleSync
 

@@ -17,8 +17,8 @@ from dipaco.comm import LocalWorld, analytic_bytes, make_world
 from dipaco.errors import DipacoError
 from dipaco.launch import free_port, torchrun_command
 from dipaco.quant import payload_bytes
-from dipaco.run import Run
-from dipaco.train import assign, train
+from dipaco.run import Run, assign
+from dipaco.train import train
 
 from conftest import TINY_TRAIN, tiny_train_config
 
