@@ -250,7 +250,6 @@ def cmd_export(args) -> None:
 def cmd_quickstart(args) -> None:
     from dipaco.quickstart import quickstart
 
-    check_out_dir(args.out, "quickstart")
     flags = flags_of(args)  # --rounds, --inner-steps, --preset: given ones replace quickstart's defaults
     quickstart(args.out, **flags, overrides=args.overrides, progress=not args.quiet)
 

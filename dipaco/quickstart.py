@@ -19,7 +19,7 @@ from dipaco.io import write_json
 from dipaco.outputs import QUICKSTART_MARKER, check_out_dir
 from dipaco.sharding.sources import write_default_corpus
 from dipaco.sharding.writer import purity, shard
-from dipaco.shards import ShardSet
+from dipaco.shards import MANIFEST, ShardSet
 from dipaco.train import train
 
 
@@ -51,7 +51,7 @@ def quickstart(out: str | Path = "dipaco-quickstart", rounds: int = 16, inner_st
         print("  documents per kind: " + ", ".join(f"{k} {n}" for k, n in counts.items()))
 
     print(f"[2/4] shard on a 2x2 grid -> {shards}")
-    if not (shards / "manifest.json").exists():
+    if not (shards / MANIFEST).exists():
         manifest = shard([str(corpus)], shard_cfg, shards, progress=progress)
     else:
         manifest = ShardSet(shards).manifest

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dipaco.errors import DipacoError
-from dipaco.eval.perplexity import mixture_weights
+from dipaco.eval.perplexity import check_mixture, mixture_weights
 
 if TYPE_CHECKING:  # only for annotations: RoutedRun.generate calls generate()
     from dipaco.eval.api import RoutedRun
@@ -65,8 +65,7 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = 64, temperature: 
     if temperature < 0 or not 0 < top_p <= 1:
         raise DipacoError(f"sampling options temperature={temperature}, top_p={top_p} are not valid; "
                           f"use temperature >= 0 (0 = greedy) and 0 < top_p <= 1")
-    if mixture < 0 or mixture == 1 or mixture > rr.run.grid.num_paths > 1:
-        raise DipacoError(f"--mixture {mixture} is not valid: mix K from 2 to the run's {rr.run.grid.num_paths} paths")
+    check_mixture(mixture, rr.run)
     ids, cut = _prompt_ids(rr, prompt, max_new_tokens)
     cut_info = dict(prompt_cut=cut, prompt_tokens=ids.shape[1], max_seq_len=rr.run.config.model.max_seq_len)
     if mixture > 1 and not rr.run.is_dense and path is None:

@@ -220,6 +220,14 @@ def every_w_segments(router: BaseRouter, window_router: BaseRouter | None, ids: 
             for d, cs in enumerate(cuts)]
 
 
+def check_mixture(k: int, run: Run) -> None:
+    """K = 0 (no mixture) or 2 to the run's paths: a mixture of more paths than a run has would be labelled with
+    a K it is not. A dense run has nothing to mix and ignores K."""
+    n = run.grid.num_paths
+    if k < 0 or k == 1 or (k > n and not run.is_dense):
+        raise DipacoError(f"--mixture {k}: run {run.root} has {n} paths; give K from 2 to {n}")
+
+
 def mixture_weights(topk: list[tuple[str, float]], temperature: float) -> list[tuple[str, float]]:
     """c-BTM: softmax(-d^2 / T) over the k nearest paths' squared distances."""
     if temperature <= 0:
@@ -354,10 +362,8 @@ def evaluate(runs: dict[str, str | Path], shards_dir: str | Path, round: int | N
         loaded["dense baseline"] = b
     if not loaded:
         raise DipacoError("no run to evaluate; pass --run RUN")
-    for run in loaded.values():  # a mixture of more paths than a run has would be labelled with a K it is not
-        if mixture > run.grid.num_paths and not run.is_dense:
-            raise DipacoError(f"--mixture {mixture}: run {run.root} has {run.grid.num_paths} paths; give K from 2 to "
-                              f"{run.grid.num_paths}")
+    for run in loaded.values():
+        check_mixture(mixture, run)
     max_tokens = max(r.config.eval.max_tokens_per_doc for r in loaded.values())
     contexts = {r.config.eval.context_tokens for r in loaded.values()}
     if len(contexts) > 1:

@@ -86,13 +86,6 @@ def _looks_like_hub_name(spec: str) -> bool:
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "/")) and not Path(spec).suffix
 
 
-def skipped_inputs(specs: list[str]) -> list[str]:
-    """Files in the input directories that are not read (no known extension), for the manifest."""
-    skipped: list[Path] = []
-    expand_inputs(specs, skipped)
-    return [str(p) for p in skipped]
-
-
 def _rows_hub(name: str, split: str, column: str, label_column: str) -> Iterator[tuple[object, object]]:
     import datasets
 
@@ -147,9 +140,10 @@ def iter_rows(specs: list[str], text_column: str = "text", label_column: str = "
         yield from _rows_hub(name, split, text_column, label_column)
 
 
-def describe_inputs(specs: list[str], split: str = "train") -> list[dict]:
-    """Size and content hash of every input file (hub datasets: name and split)."""
-    by_format, hub = expand_inputs(specs)
+def describe_inputs(specs: list[str], split: str = "train", skipped: list[Path] | None = None) -> list[dict]:
+    """Size and content hash of every input file (hub datasets: name and split); files of the input
+    directories that are not read (no known extension) are appended to ``skipped``."""
+    by_format, hub = expand_inputs(specs, skipped)
     out = [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)} if fmt != "saved" else
            {"path": str(f), "saved_dataset": True, "bytes": sum(p.stat().st_size for p in f.rglob("*") if p.is_file()),
             "sha256": sha256_dir(f)}

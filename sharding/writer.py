@@ -38,7 +38,7 @@ from dipaco.outputs import check_out_dir
 from dipaco.routing import Router
 from dipaco.routing.fit import fit_router
 from dipaco.shards import ShardWriter, read_docs
-from dipaco.sharding.sources import DocumentFilter, describe_inputs, iter_rows, skipped_inputs
+from dipaco.sharding.sources import DocumentFilter, describe_inputs, iter_rows
 from dipaco.sharding.tokenizer import encode, load_tokenizer, tokenizer_sha256, train_tokenizer
 
 SAMPLE_CHARS = 4096  # a sampled document keeps this many characters (tokenizer training, router fit)
@@ -204,8 +204,9 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
     counts, roles, sample = scanned["counts"], scanned["roles"], scanned["sample"]
     if counts["train"] < num_paths:
         raise DipacoError(f"{counts['train']} training documents cannot fill {num_paths} paths; add data or use a smaller --grid")
-    input_info = describe_inputs(inputs, d.split)
-    skipped = skipped_inputs(inputs)
+    skipped_files: list[Path] = []  # one walk of the input directories gives both
+    input_info = describe_inputs(inputs, d.split, skipped_files)
+    skipped = [str(f) for f in skipped_files]
     t_scan = time.perf_counter() - began
 
     with atomic_dir(out, overwrite=overwrite) as tmp:

@@ -435,7 +435,7 @@ _OUTPUT_CASES = [
      "a mixture needs K >= 2 paths"),
     ("eval-mixture-99", ["eval", "--run", "{run}", "--shards", "{shards}", "--out", "{t}/r.json", "--mixture", "99", "--quiet"],
      "has 4 paths; give K from 2 to 4"),
-    ("generate-mixture-99", ["generate", "--run", "{run}", "--mixture", "99", "--quiet", "int main"], "mix K from 2 to the run's 4 paths"),
+    ("generate-mixture-99", ["generate", "--run", "{run}", "--mixture", "99", "--quiet", "int main"], "has 4 paths; give K from 2 to 4"),
     ("quickstart-rounds-0", ["quickstart", "--out", "{t}/q", "--rounds", "0", "--quiet"], "'rounds' must be > 0"),
 ]
 
