@@ -9,8 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dipaco.config import at_least, flag, fraction, positive
+from dipaco.config import at_least, flag, positive
 from dipaco.errors import DipacoError
+
+
+def _held_aside(at: str, value: float) -> None:
+    """Some router documents must be held aside, and some kept for the fit: (0, 1), as the commands need."""
+    if not 0.0 < value < 1.0:
+        raise DipacoError(f"config: '{at}holdout_fraction' must be in (0, 1), got {value}")
 
 
 def _mixture(at: str, k: int | None) -> None:
@@ -96,7 +102,7 @@ class ReshardConfig:
     """Seed of the held-aside split and of the router fit."""
 
     def check(self, at: str) -> None:
-        fraction(at + "holdout_fraction", self.holdout_fraction)
+        _held_aside(at, self.holdout_fraction)
         positive(at + "max_tokens", self.max_tokens)
 
 
@@ -113,5 +119,5 @@ class WindowRouterConfig:
     """Seed of the held-aside split and of the router fit."""
 
     def check(self, at: str) -> None:
-        fraction(at + "holdout_fraction", self.holdout_fraction)
+        _held_aside(at, self.holdout_fraction)
         positive(at + "max_tokens", self.max_tokens)

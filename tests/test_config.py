@@ -179,7 +179,7 @@ def test_flags_land_on_their_keys():
     (["generate", "--run", "{t}/r", "--mixture", "1", "hello"], "a mixture needs K >= 2 paths"),
     (["generate", "--run", "{t}/r", "--set", "max_new_tokens=-1", "hello"], "'max_new_tokens' must be >= 0"),
     (["reshard", "--run", "{t}/r", "--shards", "{t}/s", "--out", "{t}/o", "--holdout-fraction", "1.5"],
-     "'holdout_fraction' must be in [0, 1)"),
+     "'holdout_fraction' must be in (0, 1)"),
     (["reshard", "--run", "{t}/r", "--shards", "{t}/s", "--out", "{t}/o", "--set", "target=\"even\""],
      "'target' must be 'current' or 'uniform'"),
     (["fit-window-router", "--run", "{t}/r", "--shards", "{t}/s", "--window", "64", "--max-tokens", "0"],
