@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dipaco.command_config import GenerateConfig as G  # the defaults, declared once
 from dipaco.errors import DipacoError
 from dipaco.eval.perplexity import check_mixture, mixture_weights
 
@@ -51,8 +52,9 @@ def _prompt_ids(rr: RoutedRun, prompt: str, max_new_tokens: int) -> tuple[torch.
 
 
 @torch.inference_mode()
-def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, round: int | None = None, mixture: int = 0, mixture_temperature: float = 0.1,
+def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens, temperature: float = G.temperature,
+             top_p: float = G.top_p, seed: int = G.seed, round: int | None = None, mixture: int = 0,
+             mixture_temperature: float = G.mixture_temperature,
              path: str | None = None, route_every: int | None = None) -> Generation:
     """Greedy when ``temperature`` is 0, else sampling with ``temperature`` and ``top_p`` (seeded).
 

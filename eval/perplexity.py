@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from dipaco.command_config import EvalCommandConfig as E  # the defaults, declared once
 from dipaco.errors import DipacoError
 from dipaco.routing import Router
 from dipaco.routing.router import BaseRouter
@@ -281,7 +282,7 @@ def early_stopping_rounds(run: Run) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------ evaluate
 def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[int]], round: int | None = None,
                  progress: bool = True, route_every: list[int] = (), oracle: bool = False, random: bool = False,
-                 early_stopping: bool = False, mixture: int = 0, temperature: float = 0.1, seed: int = 0,
+                 early_stopping: bool = False, mixture: int = 0, temperature: float = E.temperature, seed: int = E.seed,
                  name: str = "run") -> dict[str, dict]:
     """Rows {method name: summary} for one run: ``name`` (routed) plus the requested extras."""
     check_compatible(run, shards)
@@ -336,8 +337,8 @@ def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[in
 
 def evaluate(runs: dict[str, str | Path], shards_dir: str | Path, round: int | None = None, progress: bool = True,
              baseline: str | Path | None = None, route_every: list[int] = (), oracle: bool = False,
-             random: bool = False, early_stopping: bool = False, mixture: int = 0, temperature: float = 0.1,
-             seed: int = 0, split: str = "heldout") -> dict:
+             random: bool = False, early_stopping: bool = False, mixture: int = 0, temperature: float = E.temperature,
+             seed: int = E.seed, split: str = E.split) -> dict:
     """Report for several runs on the same tokens: {"methods": {name: {...}}, ...}.
 
     ``split`` "heldout" scores the held-out documents (the test set); "val" the validation documents

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dipaco.command_config import WindowRouterConfig as W  # the defaults, declared once
 from dipaco.errors import DipacoError
 from dipaco.eval.perplexity import Scorer, check_compatible, shard_router, window_router_dir
 from dipaco.io import atomic_dir
@@ -38,7 +39,8 @@ def window_examples(ids: list[list[int]], context: int, w: int) -> list[tuple[in
 
 
 def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, at_round: int | None = None,
-                      max_tokens: int = 4096, holdout_fraction: float = 0.2, seed: int = 0, overwrite: bool = False,
+                      max_tokens: int = W.max_tokens, holdout_fraction: float = W.holdout_fraction,
+                      seed: int = W.seed, overwrite: bool = False,
                       progress: bool = True) -> dict:
     """Fit and save RUN/window_routers/w<window>; returns its report (accuracies, losses, counts)."""
     began = time.perf_counter()

@@ -27,6 +27,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import dipaco
+from dipaco.command_config import ReshardConfig as R  # the defaults, declared once
 from dipaco.errors import DipacoError
 from dipaco.io import atomic_dir
 from dipaco.routing import Router
@@ -53,8 +54,8 @@ def loss_matrix(run: Run, paths: list[str], ids: list[list[int]], at_round: int 
     return out
 
 
-def reshard(run_dir: str | Path, shards_dir: str | Path, out: str | Path, target: str = "current",
-            holdout_fraction: float = 0.2, max_tokens: int = 512, seed: int = 0, at_round: int | None = None,
+def reshard(run_dir: str | Path, shards_dir: str | Path, out: str | Path, target: str = R.target,
+            holdout_fraction: float = R.holdout_fraction, max_tokens: int = R.max_tokens, seed: int = R.seed, at_round: int | None = None,
             overwrite: bool = False, progress: bool = True) -> dict:
     """Write SHARDS2 ``out`` re-routed by a discriminative router fitted on ``run_dir``'s loss labels."""
     began = time.perf_counter()
