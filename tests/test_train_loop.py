@@ -28,3 +28,20 @@ def test_round_written_by_several_workers_moves_latest_only_when_whole(tmp_path)
     loaded = checkpoint.load_modules(tmp_path, 1)
     assert torch.equal(loaded["a"]["w"], modules["a"]["w"]) and torch.equal(loaded["b"]["w"], modules["b"]["w"])
     assert [s["step"] for s in checkpoint.load_state(tmp_path, 1)[1]] == [1, 2]
+
+
+def test_round_losses_are_each_trainees_mean_and_logged_losses_become_floats():
+    """What a round line reports: every trainee's mean inner loss over the round's H steps (read from the device
+    once per round), and the buffered 'inner' records turned from tensors into floats."""
+    import math
+
+    from dipaco.train import round_losses
+
+    H = 4
+    steps = {0: [torch.tensor(v) for v in (4.0, 3.5, 3.25, 3.0)], 1: [torch.tensor(v) for v in (2.0, 2.0, 1.0, 1.0)],
+             2: []}
+    logs = [{"kind": "inner", "loss": steps[0][1]}, {"kind": "inner", "loss": steps[1][3]}]
+    got = round_losses(steps, logs, H)
+    assert math.isclose(got[0], 13.75 / H, rel_tol=1e-12) and math.isclose(got[1], 6.0 / H, rel_tol=1e-12)
+    assert got[2] == 0.0  # a trainee with no steps this round (none here in practice) contributes nothing
+    assert [type(r["loss"]) for r in logs] == [float, float] and [r["loss"] for r in logs] == [3.5, 1.0]
