@@ -95,7 +95,7 @@ def val_loss(run_dir: Path, shards_dir: Path, windows_per_path: int = 16) -> flo
 
     from dipaco.run import Run
     from dipaco.shards import ShardSet
-    from dipaco.train import fixed_windows, next_token_loss
+    from dipaco.trainee import fixed_windows, next_token_loss
 
     run, shards = Run(run_dir), ShardSet(shards_dir)
     losses = []

@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     from dipaco.run import Run
     from dipaco.scoring import window_nll, windows_for
     from dipaco.shards import BatchSampler, ShardSet
-    from dipaco.train import Trainee, inner_step
+    from dipaco.trainee import Trainee, inner_step
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", required=True)

@@ -1,4 +1,4 @@
-"""Small file helpers shared by every stage: atomic output directories, JSON, hashes."""
+"""Small file helpers shared by every stage: committing a directory, atomic text, JSON, hashes."""
 
 from __future__ import annotations
 
@@ -11,34 +11,6 @@ from pathlib import Path
 
 from dipaco.errors import DipacoError
 from dipaco.settings import read_parsed
-
-
-@contextlib.contextmanager
-def atomic_dir(final: str | Path, overwrite: bool = False):
-    """Yield a temporary directory that becomes ``final`` only if the block completes.
-
-    On any exception the temporary directory is removed and ``final`` is untouched. An existing
-    ``final`` is an error unless ``overwrite``; then it is replaced only after the new one is whole, and
-    only when it is empty or dipaco wrote it (never a user's directory or file).
-    """
-    from dipaco.outputs import check_replaceable
-
-    final = Path(final)
-    if final.exists() and not overwrite:
-        raise DipacoError(f"{final} already exists; choose another output path or pass --overwrite")
-    if final.exists():
-        check_replaceable(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        yield tmp
-        commit_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def commit_dir(tmp: str | Path, final: str | Path) -> None:

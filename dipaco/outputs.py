@@ -14,12 +14,15 @@ prints.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Iterable
 
 from dipaco.errors import DipacoError
+from dipaco.io import commit_dir
 
 QUICKSTART_MARKER = "dipaco-quickstart.json"
 
@@ -196,3 +199,29 @@ def os_error_line(exc: OSError) -> str:
     where = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None)
     cause = " ".join((exc.strerror or str(exc) or type(exc).__name__).split())  # one line, whatever the message
     return (f"{where}: {cause}" if where else cause) + " (a file-system error; check the path, its permissions and free space)"
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | Path, overwrite: bool = False):
+    """Yield a temporary directory that becomes ``final`` only if the block completes.
+
+    On any exception the temporary directory is removed and ``final`` is untouched. An existing
+    ``final`` is an error unless ``overwrite``; then it is replaced only after the new one is whole, and
+    only when it is empty or dipaco wrote it (never a user's directory or file).
+    """
+    final = Path(final)
+    if final.exists() and not overwrite:
+        raise DipacoError(f"{final} already exists; choose another output path or pass --overwrite")
+    if final.exists():
+        check_replaceable(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+        commit_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

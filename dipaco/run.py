@@ -52,10 +52,6 @@ def assign(num_trainees: int, workers: int) -> list[int]:
     return [i * workers // num_trainees for i in range(num_trainees)]
 
 
-def trainee_size(shards: ShardSet, sources: list[str]) -> int:
-    return sum(shards.train_tokens(s) for s in sources)
-
-
 @dataclass
 class Plan:
     """Every trainee's path, shards, rank and size (training tokens), and every module's weights
@@ -69,7 +65,7 @@ class Plan:
     def make(cls, cfg: TrainConfig, grid: Grid, shards: ShardSet, workers: int) -> "Plan":
         trainees = plan_trainees(grid, shards, cfg)
         ranks = assign(len(trainees), workers)
-        sizes = [trainee_size(shards, s) for _, s in trainees]
+        sizes = [shards.tokens_of(s) for _, s in trainees]
         return cls(trainees, ranks, sizes, module_weights([grid.path_modules(p) for p, _ in trainees], sizes))
 
     @property

@@ -108,6 +108,10 @@ class ShardSet:
         return int(self.manifest["paths"][path]["train_tokens"])
 
     # ---------------------------------------------------------------- data
+    def tokens_of(self, paths: list[str]) -> int:
+        """Training tokens of these shard paths together (a trainee's weight in the module averages)."""
+        return sum(self.train_tokens(p) for p in paths)
+
     def tokens(self, path: str, split: str = "train") -> np.ndarray:
         f = token_file(self.root, path, split, "bin")
         if f.stat().st_size == 0:

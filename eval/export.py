@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import dipaco
-from dipaco.io import atomic_dir, write_json
+from dipaco.io import write_json
+from dipaco.outputs import atomic_dir
 
 
 def export_path(rr, path: str, out: str | Path, round: int | None = None, overwrite: bool = False) -> Path:

@@ -24,7 +24,7 @@ import numpy as np
 from dipaco.command_config import WindowRouterConfig as W  # the defaults, declared once
 from dipaco.errors import DipacoError
 from dipaco.eval.perplexity import Scorer, check_compatible, shard_router, window_router_dir
-from dipaco.io import atomic_dir
+from dipaco.outputs import atomic_dir
 from dipaco.routing.discriminative import fit_discriminative, fit_window
 from dipaco.run import Run
 from dipaco.shards import ShardSet

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 import dipaco
 from dipaco.command_config import ReshardConfig as R  # the defaults, declared once
 from dipaco.errors import DipacoError
-from dipaco.io import atomic_dir
+from dipaco.outputs import atomic_dir
 from dipaco.routing import Router
 from dipaco.routing.discriminative import fit_discriminative
 from dipaco.run import Run

@@ -33,8 +33,7 @@ import dipaco
 from dipaco.config import ShardConfig, to_dict, to_toml
 from dipaco.errors import DipacoError
 from dipaco.grid import parse_grid
-from dipaco.io import atomic_dir
-from dipaco.outputs import check_out_dir
+from dipaco.outputs import atomic_dir, check_out_dir
 from dipaco.routing import Router
 from dipaco.routing.fit import fit_router
 from dipaco.shards import ShardWriter, read_docs

@@ -6,7 +6,8 @@ import pytest
 
 from dipaco import checkpoint
 from dipaco.errors import DipacoError
-from dipaco.train import lr_at, train
+from dipaco.train import train
+from dipaco.trainee import lr_at
 
 from conftest import tiny_train_config
 
