@@ -127,7 +127,7 @@ def latest_round(run: str | Path) -> int | None:
     return int(name[6:])
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise DipacoError(f"checkpoint file {path} is missing; the checkpoint is incomplete, resume from an earlier round")
     try:
@@ -141,14 +141,14 @@ def load_modules(run: str | Path, r: int, names: list[str] | None = None) -> dic
     """Load the named modules (all of the round's modules by default) of round ``r``."""
     meta = read_json(round_dir(run, r) / "state" / "meta.json", "checkpoint metadata")
     wanted = meta["modules"] if names is None else names
-    return {m: _load_safetensors(round_dir(run, r) / "modules" / f"{m}.safetensors") for m in wanted}
+    return {m: load_tensors(round_dir(run, r) / "modules" / f"{m}.safetensors") for m in wanted}
 
 
 def load_state(run: str | Path, r: int, indices: list[int] | None = None) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
     """Outer buffers, the states of the trainees ``indices`` (all by default), and the metadata."""
     base = round_dir(run, r) / "state"
     meta = read_json(base / "meta.json", "checkpoint metadata")
-    outer = _load_safetensors(base / "outer.safetensors")
+    outer = load_tensors(base / "outer.safetensors")
     trainees = []
     for i in range(len(meta["trainee_paths"])) if indices is None else indices:
         f = base / f"trainee_{i}.pt"

@@ -119,6 +119,8 @@ def cmd_train(args) -> None:
         # --out is a new or empty directory or a dipaco run (train decides about --resume), never an input
         check_out_dir(args.out, "run", inputs={"--shards": args.shards, "--init-from": cfg.init_from,
                                                "--config": args.config})
+    if cfg.engine == "ray":
+        return _train_on_ray(cfg, args)
     if args.workers:
         from dipaco.launch import launch_local
         from dipaco.run import preflight
@@ -128,6 +130,24 @@ def cmd_train(args) -> None:
     summary = train(cfg, args.shards, args.out, resume=args.resume, progress=not args.quiet)
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(summary))
+
+
+def _train_on_ray(cfg, args) -> None:
+    if args.max_restarts:
+        raise DipacoError("--max-restarts is torchrun's; the Ray engine retries a lost phase itself (ray.max_retries)")
+    if args.workers and cfg.ray.address:
+        raise DipacoError(f"--workers starts a local Ray; with --address {cfg.ray.address} the cluster's nodes are the "
+                          f"workers: drop one of the two")
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        raise DipacoError("--engine ray runs one driver, not one per torchrun rank; start it without torchrun")
+    try:
+        from dipaco.ray_engine import train_ray
+    except ModuleNotFoundError as exc:
+        if exc.name != "ray" and not (exc.name or "").startswith("ray."):
+            raise
+        raise DipacoError("--engine ray needs Ray; install it with pip install -e '.[ray]' (or pip install 'ray>=2.40')") from None
+    summary = train_ray(cfg, args.shards, args.out, resume=args.resume, progress=not args.quiet, workers=args.workers)
+    print(json.dumps(summary))
 
 
 def _without_workers(argv: list[str]) -> list[str]:
@@ -275,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", required=True, help="shard directory from `dipaco shard`")
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last complete round")
-    p.add_argument("--workers", type=int, help="launch a local torchrun with this many worker processes (127.0.0.1)")
+    p.add_argument("--workers", type=int, help="launch a local torchrun with this many worker processes (127.0.0.1); "
+                   "with --engine ray: the CPUs of the local Ray it starts (default: one per core)")
     p.add_argument("--max-restarts", type=int, default=0, help="with --workers: torchrun restarts after a crash "
                    "(each restart resumes from the last complete round)")
     _config_args(p, C.TrainConfig, cmd_train, example="inner.lr=1e-3")

@@ -77,10 +77,14 @@ def round_trip(flat: torch.Tensor, bits: int, block: int) -> torch.Tensor:
 def reduce_here(flats: dict[int, torch.Tensor], weights: dict[int, float], bits: int, block: int) -> torch.Tensor:
     """Δ_m where every term is at hand (the world of one, a module with one holder):
     ``Q_down(Σ_i w_i·deq(Q_up(Δ_i)))`` below 32 bits, the exact weighted sum at 32."""
-    if bits == 32:
-        return module_average(flats, weights)
-    up = {i: round_trip(f, bits, block) for i, f in flats.items()}
-    return round_trip(module_average(up, weights), bits, block)
+    return reduce_arrived({i: round_trip(f, bits, block) for i, f in flats.items()}, weights, bits, block)
+
+
+def reduce_arrived(vectors: dict[int, torch.Tensor], weights: dict[int, float], bits: int, block: int) -> torch.Tensor:
+    """Δ_m from the outer gradients as they arrived (``deq(Q_up(Δ_i))``, or Δ_i itself at 32 bits): the weighted sum
+    in trainee-index order, then Q_down. The Ray engine's outer executors reduce the payloads phases wrote with it."""
+    total = module_average(vectors, weights)
+    return total if bits == 32 else round_trip(total, bits, block)
 
 
 def chunk_bounds(numel: int, n: int, block: int) -> list[tuple[int, int]]:

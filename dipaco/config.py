@@ -290,6 +290,33 @@ class CommConfig:
 
 
 @dataclass
+class RayConfig:
+    address: str = flag("", metavar="ADDR")
+    """Ray cluster to join with --engine ray: 'auto' (the one on this machine) or the head's host:port that `ray start
+    --head` prints; '' starts a local Ray on this machine with --workers CPUs (default: one per core)."""
+    max_retries: int = 3
+    """Retries of a phase whose worker process or node was lost (a retry computes the same bytes)."""
+    quorum: int = flag(0)
+    """If > 0, a module's outer step may go ahead with this many of its trainees (all, if it has fewer) once
+    ``grace`` seconds have passed since it had them; the late phases are dropped: their results are discarded and
+    their trainees restart from the new modules. 0 waits for every phase (exact, the default)."""
+    grace: float = flag(0.0, metavar="SECONDS")
+    """With a quorum: seconds a module waits for its late phases after the quorum is in."""
+    threads: int = 1
+    """torch threads of a phase, pinned so that a retry on another worker computes the same bytes."""
+    executors: int = 1
+    """Outer-step executors (restartable Ray actors); the module groups are spread over them."""
+
+    def check(self, at: str) -> None:
+        for key in ("max_retries", "quorum"):
+            at_least(at + key, getattr(self, key), 0)
+        for key in ("threads", "executors"):
+            positive(at + key, getattr(self, key))
+        if self.grace < 0:
+            raise DipacoError(f"config: '{at}grace' must be >= 0 seconds, got {self.grace}")
+
+
+@dataclass
 class EvalConfig:
     context_tokens: int = 32
     """Leading tokens of each document used for routing and never scored (paper: 32)."""
@@ -320,6 +347,10 @@ class TrainConfig:
     """Rounds between checkpoints (the last round is always saved; resume starts from the last one saved)."""
     device: Literal["auto", "cpu", "cuda"] = flag("auto")
     """Device: 'auto' (cuda when available), 'cpu' or 'cuda' (bf16 autocast, fp32 master weights and outer state)."""
+    engine: Literal["sync", "ray"] = flag("sync")
+    """'sync': one synchronous job (every trainee in this process, or torchrun workers: --workers, torchrun); 'ray':
+    a task queue on Ray (pip install -e '.[ray]'): one task per trainee and round, each module's outer step as soon
+    as its phases are in, workers that may come and go (the [ray] section)."""
     init_from: str = flag("", metavar="RUN_OR_DIR")
     """Start every module from a dense model: a dipaco '--grid 1' run directory (its latest round) or a
     Hugging Face Llama directory of the same shape; '' starts from a seeded random model."""
@@ -329,6 +360,7 @@ class TrainConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def check(self, at: str) -> None:
@@ -342,6 +374,10 @@ class TrainConfig:
                               "and its tied head private together")
         s = self.streaming  # its own check ran: fragments >= 1
         validate_streaming(self.inner_steps, s.fragments, s.overlap, self.model.num_layers)
+        if self.engine == "ray" and (s.fragments > 1 or s.overlap > 0 or s.alpha > 0):
+            raise DipacoError("config: --engine ray runs whole rounds (a phase is H inner steps, then the outer step); "
+                              "Streaming DiLoCo (streaming.fragments > 1, overlap > 0, alpha > 0) is the sync engine's: "
+                              "drop those settings or train with --engine sync")
 
 
 # ---------------------------------------------------------------------------------- resolution

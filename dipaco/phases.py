@@ -1,0 +1,222 @@
+"""The Ray engine's tasks, without Ray: a phase, an outer step, a validation. Each reads its inputs from the run
+directory (``dipaco.taskstore``), computes with the code every engine shares, and commits its output by a rename.
+
+  ``run_phase``    trainee i, version v: load the path's modules at version v and the trainee's state, validate the
+                   path's global weights (its validator trainee), take H inner steps (``dipaco.trainee.inner_step``),
+                   write every module's outer gradient ``Δ_i = θ_global − θ_i`` as it travels (fp32, or the
+                   comm.bits payload ``Q_up(Δ_i)``) and the new trainee state
+  ``outer_step``   a group of modules, version v -> v+1: the payloads of its phases, reduced exactly as the sync
+                   engine reduces them (``dipaco.comm.reduce_arrived``: weighted sum in trainee order, then
+                   ``Q_down``), optional √P rescaling, the outer Nesterov step (``dipaco.outer.OuterOptimizer``)
+  ``validate``     the validation loss of one path at one version, for rounds no phase validated (the last one)
+
+Same inputs, same bits: a task pins its torch threads (``ray.threads``), and nothing it computes depends on which
+process or machine runs it, so a retried phase writes exactly what the lost attempt would have written.
+
+Test hook: ``DIPACO_TEST_DELAY="<trainee>:<version>:<seconds>,step:<version>:<seconds>"`` makes the first attempt of
+that phase sleep halfway through its inner steps, or of every outer step from that version sleep after its first
+module (tests kill the process there, or leave a phase late for a quorum).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dipaco.checkpoint import load_tensors
+from dipaco.comm import flatten, reduce_arrived, unflatten
+from dipaco.config import TrainConfig
+from dipaco.grid import Grid
+from dipaco.io import write_json
+from dipaco.model import llama_config, new_model
+from dipaco.outer import OuterOptimizer, outer_gradient, sqrt_rescale
+from dipaco.quant import dequantize, quantize
+from dipaco.shards import ShardSet
+from dipaco.taskstore import TaskStore, save_tensors
+from dipaco.trainee import fixed_windows, inner_step, make_trainee, round_losses, validate
+
+
+@dataclass
+class PhaseSpec:
+    """Everything a phase needs, resolved by the driver (small: paths, names and numbers)."""
+    run: str
+    shards: str
+    cfg: TrainConfig
+    grid: Grid
+    trainee: int
+    path: str
+    sources: list[str]
+    version: int
+    schedule_steps: int
+    modules: dict[str, str]     # module -> the file of its version ``version``
+    state: str                  # the trainee state file to start from
+    exact_state: bool           # False: the state from before a dropped phase (its step moves to this round's)
+    validate: bool              # this trainee validates its path at ``version`` (and no one has yet)
+    val_sources: list[str]      # the shard paths of the path's validation windows (all its trainees' shards)
+
+
+@dataclass
+class StepSpec:
+    """An outer step of one group of modules from version ``version`` to ``version + 1``."""
+    run: str
+    cfg: TrainConfig
+    group: str
+    version: int
+    layout: dict[str, list[str]]           # module -> its tensor names in model order (the flattening order)
+    modules: dict[str, str]                # module -> the file of its version ``version``
+    outer: str                             # the momentum file of version ``version``
+    contributors: dict[int, str]           # trainee -> its committed phase directory
+    weights: dict[str, dict[int, float]]   # module -> {trainee: w_i} over the contributors
+    paths_through: dict[str, int]
+
+
+_cache: dict = {}  # per worker process: one model to train in, the open shard sets (a phase rebuilds neither)
+
+
+def _shards(root: str) -> ShardSet:
+    if root not in _cache:
+        _cache[root] = ShardSet(root)
+    return _cache[root]
+
+
+def _model(cfg: TrainConfig, shards: ShardSet):
+    config = llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)
+    key = ("model", config.to_json_string())
+    if key not in _cache:
+        _cache[key] = new_model(config)
+    return _cache[key]
+
+
+def where() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+
+
+def run_phase(spec: PhaseSpec, node: str = "") -> dict:
+    """Phase (trainee, version); returns its record (also committed as phase.json)."""
+    began = time.perf_counter()
+    torch.set_num_threads(spec.cfg.ray.threads)
+    store, cfg, v, i = TaskStore(spec.run), spec.cfg, spec.version, spec.trainee
+    attempt = store.record_attempt(v, i, where() | {"node": node})
+    shards = _shards(spec.shards)
+    tr = make_trainee(i, spec.path, spec.sources, spec.grid, shards, cfg, model=_model(cfg, shards))
+    modules = {m: load_tensors(Path(f)) for m, f in spec.modules.items()}
+    state = torch.load(spec.state, map_location="cpu", weights_only=True)
+    if not spec.exact_state:
+        state["step"] = v * cfg.inner_steps
+    tr.load_state(state)
+    tr.model.load_modules(modules)
+    glob = {m: {n: modules[m][n] for n in names} for m, names in tr.model.module_params.items()}  # model order
+    loaded = time.perf_counter()
+
+    val = None
+    if spec.validate:
+        windows = fixed_windows([shards.tokens(s, "val") for s in spec.val_sources], cfg.val_batches * cfg.inner.batch_size,
+                                cfg.model.max_seq_len)
+        val = validate(modules, {spec.path: tr.model}, {spec.path: windows}, cfg.inner.batch_size).get(spec.path)
+        if val is not None:
+            store.write_val(v, spec.path, val)
+    validated = time.perf_counter()
+
+    tr.model.model.train()
+    H, losses, logs = cfg.inner_steps, [], []
+    delay = _test_delay(i, v, attempt)
+    for k in range(H):
+        if delay and k == H // 2:
+            time.sleep(delay)
+        loss = inner_step(tr, cfg, spec.schedule_steps)
+        losses.append(loss)
+        if cfg.log_every and tr.step % cfg.log_every == 0:
+            logs.append(dict(kind="inner", round=v + 1, step=tr.step, trainee=i, path=spec.path, loss=loss,
+                             lr=tr.optimizer.param_groups[0]["lr"]))
+    mean = round_losses({i: losses}, logs, H)[i]
+    computed = time.perf_counter()
+
+    bits, block = cfg.comm.bits, cfg.comm.block_size
+    final = store.phase_dir(v, i)
+    tmp = store.staging(final)
+    deltas = {}
+    for m, g in glob.items():
+        flat = flatten(outer_gradient(g, tr.model.module_tensors(m)))
+        deltas[m] = flat if bits == 32 else quantize(flat, bits, block)
+    sent = save_tensors(deltas, tmp / "deltas.safetensors")
+    torch.save(tr.state(), tmp / "state.pt")
+    record = {"trainee": i, "path": spec.path, "version": v, "attempt": attempt, "train_loss": mean, "inner": logs,
+              "val_loss": val, "bytes_sent": sent, "bytes_loaded": sum(t.numel() * t.element_size()
+                                                                      for ts in modules.values() for t in ts.values()),
+              "load_s": loaded - began, "val_s": validated - loaded, "compute_s": computed - validated,
+              "save_s": time.perf_counter() - computed, **where(), "node": node}
+    write_json(tmp / "phase.json", record)  # last: a phase directory without it is not a phase
+    record["committed"] = store.commit(tmp, final)
+    return record
+
+
+def outer_step(spec: StepSpec, node: str = "") -> dict:
+    """Version ``version + 1`` of the group's modules; returns its record (also committed as step.json)."""
+    began = time.perf_counter()
+    store, cfg, bits, block = TaskStore(spec.run), spec.cfg, spec.cfg.comm.bits, spec.cfg.comm.block_size
+    final = store.version_dir(spec.version + 1, spec.group)
+    if store.version_ready(spec.version + 1, spec.group):  # an earlier attempt committed it before it was lost
+        return store.step_info(spec.version + 1, spec.group)
+    attempt = store.record_attempt(spec.version, f"step_{spec.group}", where() | {"node": node})
+    momentum = load_tensors(Path(spec.outer))
+    tmp = store.staging(final)
+    received, new_momentum = 0, {}
+    for m, names in spec.layout.items():
+        loaded = load_tensors(Path(spec.modules[m]))
+        tensors = {n: loaded[n] for n in names}
+        outer = OuterOptimizer({m: tensors}, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
+        outer.load_state_dict({k: t for k, t in momentum.items() if k.split("/", 1)[0] == m})
+        if spec.contributors:  # a module whose every phase was dropped keeps its weights this round
+            numel = sum(t.numel() for t in tensors.values())
+            vectors = {}
+            for i in sorted(spec.contributors):
+                with safe_open(str(Path(spec.contributors[i]) / "deltas.safetensors"), "pt") as f:
+                    sent = f.get_tensor(m)
+                received += sent.numel() * sent.element_size()
+                vectors[i] = sent if bits == 32 else dequantize(sent, numel, bits, block)
+            grad = unflatten(reduce_arrived(vectors, spec.weights[m], bits, block), tensors)
+            if cfg.grid.sqrt_rescale:
+                sqrt_rescale(grad, spec.paths_through[m])
+            outer.step(m, grad)
+        save_tensors(tensors, tmp / f"{m}.safetensors")
+        if attempt == 1 and _test_delay("step", spec.version, attempt):  # a test kills the executor here
+            time.sleep(_test_delay("step", spec.version, attempt))
+        new_momentum.update(outer.state_dict())
+    save_tensors(new_momentum, tmp / "outer.safetensors")
+    record = {"group": spec.group, "version": spec.version + 1, "contributors": sorted(spec.contributors),
+              "bytes_received": received, "seconds": time.perf_counter() - began, **where(), "node": node}
+    write_json(tmp / "step.json", record)
+    store.commit(tmp, final)
+    return record
+
+
+def validate_path(run: str, shards_dir: str, cfg: TrainConfig, grid: Grid, path: str, sources: list[str], version: int,
+                  modules: dict[str, str]) -> float | None:
+    """``sources``: the shard paths of the path's validation windows."""
+    """The validation loss of ``path`` at ``version`` (written to the queue) for a round no phase validated."""
+    torch.set_num_threads(cfg.ray.threads)
+    shards = _shards(shards_dir)
+    tr = make_trainee(0, path, sources, grid, shards, cfg, model=_model(cfg, shards))
+    loaded = {m: load_tensors(Path(f)) for m, f in modules.items()}
+    windows = fixed_windows([shards.tokens(s, "val") for s in sources], cfg.val_batches * cfg.inner.batch_size,
+                            cfg.model.max_seq_len)
+    val = validate(loaded, {path: tr.model}, {path: windows}, cfg.inner.batch_size).get(path)
+    if val is not None:
+        TaskStore(run).write_val(version, path, val)
+    return val
+
+
+def _test_delay(who: int | str, version: int, attempt: int) -> float:
+    """Seconds the first attempt of phase (``who`` = trainee, version) or of an outer step from ``version``
+    (``who`` = "step") sleeps, from the test hook ``DIPACO_TEST_DELAY``."""
+    for item in filter(None, os.environ.get("DIPACO_TEST_DELAY", "").split(",")):
+        target, v, seconds = item.split(":")
+        if target == str(who) and int(v) == version and attempt == 1:
+            return float(seconds)
+    return 0.0

@@ -1,0 +1,380 @@
+"""``dipaco train --engine ray``: DiPaCo's task queue on Ray (the only file that imports ray).
+
+The paper trains through a queue of inner phases on shared storage: any free worker takes the next phase, outer
+executors average a module as soon as its paths' phases are in, and workers come and go. Here:
+
+  phase (trainee i, version v)   a Ray task (``dipaco.phases.run_phase``, retried ``ray.max_retries`` times when its
+                                 worker or node is lost): H inner steps from version v of its path's modules
+  outer step (group g, v -> v+1) a method call on a restartable executor actor (``dipaco.phases.outer_step``), made
+                                 as soon as every phase (i, v) of g's trainees is committed
+  the driver (``TaskQueue``)     launches what is ready, assembles every finished round into the sync engine's
+                                 checkpoint format, writes metrics.jsonl; it holds nothing the run directory does not
+
+No barrier between rounds: phase (i, v+1) starts when *its* modules have version v+1, while other paths may still be
+training round v. The run directory (``dipaco.taskstore``) is the source of truth and must be visible to every node;
+a killed driver loses nothing (``--resume`` rebuilds the queue from it). Same config and seed, same bits as the
+in-process engine at any ``comm.bits``, with any number of workers, through retries, lost nodes, restarted
+executors and resumed drivers. With ``ray.quorum`` a module's outer step may go ahead without late phases, which
+are then dropped (not exact; the metrics name them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import ray
+import torch
+from ray.exceptions import RayTaskError, TaskCancelledError
+from tqdm.auto import tqdm
+
+from dipaco import checkpoint
+from dipaco.config import TrainConfig
+from dipaco.errors import DipacoError
+from dipaco.grid import format_grid
+from dipaco.io import write_json
+from dipaco.model import PathModel, count_parameters, init_modules, llama_config
+from dipaco.phases import PhaseSpec, StepSpec, outer_step, run_phase, validate_path
+from dipaco.run import Plan, RunDirectory, build_grid, check_dense_source, init_from_dense
+from dipaco.shards import ShardSet
+from dipaco.taskstore import TaskStore, groups
+from dipaco.trainee import make_trainee
+
+
+@ray.remote(num_cpus=1)
+def _phase(spec: PhaseSpec) -> dict:
+    return run_phase(spec, node=ray.get_runtime_context().get_node_id())
+
+
+@ray.remote(num_cpus=1)
+def _validate(*args) -> float | None:
+    return validate_path(*args)
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class _Executor:
+    """Outer steps of its share of the groups; stateless (everything is read from the run directory), so a restart
+    after its process or node was lost simply takes the next call (Ray retries the one in flight)."""
+
+    def __init__(self, run: str, index: int):
+        self.node = ray.get_runtime_context().get_node_id()
+        f = TaskStore(run).root / "executors" / f"{index}.json"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        write_json(f, {"pid": os.getpid(), "node": self.node, "started": time.time()})
+
+    def step(self, spec: StepSpec) -> dict:
+        return outer_step(spec, node=self.node)
+
+
+def train_ray(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume: bool = False, progress: bool = True,
+              workers: int | None = None) -> dict:
+    """Train (or continue) ``run_dir`` on Ray: the cluster at ``cfg.ray.address``, or a local one with ``workers`` CPUs."""
+    shards, run_dir = ShardSet(shards_dir), Path(run_dir)
+    grid = build_grid(cfg, cfg.grid.shape or shards.grid)
+    plan = Plan.make(cfg, grid, shards, 1)
+    directory = RunDirectory(run_dir, cfg, shards)
+    start = directory.check(resume)  # bad input is refused before any Ray process starts
+    if cfg.init_from:
+        check_dense_source(cfg.init_from, shards)
+    env = {k: v for k, v in os.environ.items() if k.startswith("DIPACO_TEST_")}
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, logging_level=logging.ERROR, log_to_driver=False, runtime_env={"env_vars": env})
+    else:
+        ray.init(num_cpus=workers or os.cpu_count(), include_dashboard=False, logging_level=logging.ERROR,
+                 log_to_driver=False, object_store_memory=256 << 20, runtime_env={"env_vars": env})
+    try:
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        store = TaskStore(run_dir)
+        if start == 0:
+            begin_run(cfg, shards, grid, plan, directory, store, cpus)
+        else:
+            checkpoint.remove_partial_rounds(run_dir)
+            store.forget_before(start)
+            store.remove_staging()
+        queue = TaskQueue(cfg, shards, grid, plan, store, start, directory.schedule_steps(), progress)
+        stats = queue.run()
+    finally:
+        ray.shutdown()
+    return {"run": str(run_dir), "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(plan.trainees),
+            "workers": cpus, "engine": "ray", **stats}
+
+
+def begin_run(cfg, shards, grid, plan, directory: RunDirectory, store: TaskStore, cpus: int) -> None:
+    """A new run: config.toml, run.json and round 0 (the initial modules and fresh trainee states), as the sync
+    engine writes them; the trainees are built on the meta device (no weights: only their optimizer and data state)."""
+    config = llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)
+    modules = init_modules(grid, config, cfg.seed)
+    if cfg.init_from:
+        init_from_dense(modules, cfg.init_from, shards)
+    with torch.device("meta"):
+        skeleton = PathModel(grid, plan.paths[0], config).model
+    states = [make_trainee(i, p, s, grid, shards, cfg, model=skeleton).state() for i, (p, s) in enumerate(plan.trainees)]
+    directory.create(grid, plan, cpus, {"total": count_parameters(modules),
+                                        "per_path": count_parameters(modules, grid.path_modules(plan.paths[0]))})
+    if store.root.exists():
+        store.forget_before(1 << 60)  # a queue left by an attempt that never finished round 0's checkpoint
+    checkpoint.save_round(directory.root, 0, modules, {}, states, {"trainee_paths": plan.paths, "engine": "ray"})
+
+
+class TaskQueue:
+    """The driver's view of the queue: what is committed, dropped and in flight; what is ready to launch."""
+
+    def __init__(self, cfg: TrainConfig, shards: ShardSet, grid, plan: Plan, store: TaskStore, start: int,
+                 schedule_steps: int, progress: bool):
+        self.cfg, self.shards, self.grid, self.plan, self.store = cfg, shards, grid, plan, store
+        self.start, self.R, self.H, self.schedule = start, cfg.rounds, cfg.inner_steps, schedule_steps
+        self.T = len(plan.trainees)
+        self.groups = groups(plan.weights)
+        self.group_of = {m: g for g, ms in self.groups.items() for m in ms}
+        self.members = {g: sorted(plan.weights[ms[0]]) for g, ms in self.groups.items()}
+        self.trainee_groups = [sorted({self.group_of[m] for m in grid.path_modules(p)}) for p in plan.paths]
+        with torch.device("meta"):
+            skeleton = PathModel(grid, plan.paths[0], llama_config(cfg.model, shards.vocab_size, shards.eos_token_id))
+        self.layout = {}
+        for p in dict.fromkeys(plan.paths):
+            self.layout.update(PathModel(grid, p, skeleton.config, skeleton.model).module_params)
+        self.validator = {p: plan.paths.index(p) for p in plan.paths} if cfg.val_batches > 0 else {}
+        self.val_sources = {p: [s for q, ss in plan.trainees if q == p for s in ss] for p in plan.paths}
+        self.checkpoints = {r for r in checkpoint.list_rounds(store.run) if r <= start}
+        self.executors = [_Executor.remote(str(store.run), k) for k in range(cfg.ray.executors)]
+        # what the run directory holds at versions >= start (a resumed driver picks up every committed task)
+        self.done, self.dropped, self.versions = set(), set(), set()
+        for v in range(start, self.R):
+            for i in range(self.T):
+                if store.dropped(v, i):
+                    self.dropped.add((i, v))
+                elif store.committed(v, i):
+                    self.done.add((i, v))
+        for v in range(start + 1, self.R + 1):
+            self.versions |= {(g, v) for g in self.groups if store.version_ready(v, g)}
+        self.vals: dict[tuple[str, int], float | None] = {}
+        self.inflight: dict = {}  # ObjectRef -> ("phase", i, v) | ("step", g, v) | ("val", path, v)
+        self.quorum_since: dict[tuple[str, int], float] = {}
+        self.logged = logged_rounds(store.run)
+        self.next_round, self.last_logged_at = start + 1, time.time()
+        self.bar = tqdm(total=(self.R - start) * self.T * self.H, desc=f"train {store.run.name} (ray)", unit="step",
+                        disable=not progress, dynamic_ncols=True, mininterval=1.0)
+        self.bar.update(len(self.done) * self.H)
+        self.metrics = open(store.run / "metrics.jsonl", "a", encoding="utf-8")
+        self.counts = {"retried": 0, "dropped": 0}
+
+    # ----------------------------------------------------------------------------------------------- the loop
+    def run(self) -> dict:
+        try:
+            while self.next_round <= self.R:
+                self.launch_ready()
+                refs = list(self.inflight)
+                ready, _ = ray.wait(refs, num_returns=1, timeout=self.wait_s()) if refs else ([], [])
+                for ref in ready:
+                    self.finish(ref)
+                self.apply_quorum()
+                self.complete_rounds()
+        finally:
+            self.bar.close()
+            self.metrics.close()
+        return dict(self.counts)
+
+    def wait_s(self) -> float:
+        if not self.cfg.ray.quorum or not self.quorum_since:
+            return 1.0
+        return max(0.01, min(t + self.cfg.ray.grace - time.time() for t in self.quorum_since.values()))
+
+    def settled(self, i: int, v: int) -> bool:
+        return (i, v) in self.done or (i, v) in self.dropped
+
+    def has_version(self, g: str, v: int) -> bool:
+        return v == self.start or (g, v) in self.versions
+
+    def busy(self) -> set:
+        return set(self.inflight.values())
+
+    def launch_ready(self) -> None:
+        busy = self.busy()
+        for i in range(self.T):  # each trainee's next phase, once its modules have that version
+            v = next((v for v in range(self.start, self.R) if not self.settled(i, v)), None)
+            if v is not None and ("phase", i, v) not in busy and all(self.has_version(g, v) for g in self.trainee_groups[i]):
+                self.launch_phase(i, v)
+        for g, trainees in self.members.items():  # each group's next outer step, once its phases are in
+            v = next((v for v in range(self.start, self.R) if (g, v + 1) not in self.versions), None)
+            if v is not None and ("step", g, v) not in busy and all(self.settled(i, v) for i in trainees):
+                self.launch_step(g, v)
+        v = self.next_round  # validations no phase makes: the last round, or a validator whose phase was dropped
+        for p, i in self.validator.items():
+            needed = v == self.R or (i, v) in self.dropped
+            if (needed and (p, v) not in self.vals and ("val", p, v) not in busy and not self.store.val_file(v, p).is_file()
+                    and all(self.has_version(g, v) for g in self.trainee_groups[i])):
+                files = {m: str(self.store.module_file(m, self.group_of[m], v)) for m in self.grid.path_modules(p)}
+                ref = _validate.options(max_retries=self.cfg.ray.max_retries).remote(
+                    str(self.store.run), str(self.shards.root), self.cfg, self.grid, p, self.val_sources[p], v, files)
+                self.inflight[ref] = ("val", p, v)
+
+    def launch_phase(self, i: int, v: int) -> None:
+        path, sources = self.plan.trainees[i]
+        state, exact = self.store.state_source(i, v, self.checkpoints)
+        files = {m: str(self.store.module_file(m, self.group_of[m], v)) for m in self.grid.path_modules(path)}
+        validate = v > self.start and self.validator.get(path) == i and not self.store.val_file(v, path).is_file()
+        spec = PhaseSpec(str(self.store.run), str(self.shards.root), self.cfg, self.grid, i, path, sources, v,
+                         self.schedule, files, str(state), exact, validate, self.val_sources[path])
+        self.inflight[_phase.options(max_retries=self.cfg.ray.max_retries).remote(spec)] = ("phase", i, v)
+
+    def launch_step(self, g: str, v: int) -> None:
+        contributors = [i for i in self.members[g] if (i, v) in self.done]
+        weights = {m: self.plan.weights[m] for m in self.groups[g]}
+        if len(contributors) < len(self.members[g]):  # a quorum dropped some: the rest share the whole weight
+            weights = {m: renormalised(ws, contributors) for m, ws in weights.items()}
+        spec = StepSpec(str(self.store.run), self.cfg, g, v, {m: self.layout[m] for m in self.groups[g]},
+                        {m: str(self.store.module_file(m, g, v)) for m in self.groups[g]}, str(self.store.outer_file(g, v)),
+                        {i: str(self.store.phase_dir(v, i)) for i in contributors}, weights,
+                        {m: len(self.grid.paths_through(m)) for m in self.groups[g]})
+        executor = self.executors[list(self.groups).index(g) % len(self.executors)]
+        self.inflight[executor.step.remote(spec)] = ("step", g, v)
+
+    def finish(self, ref) -> None:
+        kind, who, v = self.inflight.pop(ref)
+        try:
+            result = ray.get(ref)
+        except TaskCancelledError:
+            return  # a dropped phase, stopped
+        except RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, Exception) else exc
+            if isinstance(cause, DipacoError):
+                raise DipacoError(str(cause)) from None
+            raise DipacoError(f"{describe(kind, who, v)} failed: {type(cause).__name__}: {cause}") from None
+        except ray.exceptions.RayError as exc:  # lost more often than max_retries allows
+            raise DipacoError(f"{describe(kind, who, v)} was lost {self.cfg.ray.max_retries + 1} times "
+                              f"({type(exc).__name__}); check the cluster's workers, or raise ray.max_retries") from None
+        if kind == "phase" and (who, v) not in self.dropped:
+            self.done.add((who, v))
+            self.bar.update(self.H)
+        elif kind == "step":
+            self.versions.add((who, v + 1))
+            self.quorum_since.pop((who, v), None)
+        elif kind == "val":
+            self.vals[(who, v)] = result
+
+    def apply_quorum(self) -> None:
+        """A group whose quorum of phases is in and whose grace has passed drops its late phases (for every module)."""
+        q, now, busy = self.cfg.ray.quorum, time.time(), self.busy()
+        if not q:
+            return
+        for g, trainees in self.members.items():
+            v = next((v for v in range(self.start, self.R) if (g, v + 1) not in self.versions), None)
+            if v is None or ("step", g, v) in busy:
+                continue
+            late = [i for i in trainees if not self.settled(i, v)]
+            if not late or len(trainees) - len(late) - sum((i, v) in self.dropped for i in trainees) < min(q, len(trainees)):
+                continue
+            since = self.quorum_since.setdefault((g, v), now)
+            if now - since < self.cfg.ray.grace:
+                continue
+            for i in late:
+                self.store.drop(v, i, f"late for the outer step of {g} (quorum {q}, grace {self.cfg.ray.grace} s)")
+                self.dropped.add((i, v))
+                self.counts["dropped"] += 1
+                for ref, task in list(self.inflight.items()):
+                    if task == ("phase", i, v):
+                        ray.cancel(ref, force=True)
+
+    # ----------------------------------------------------------------------------------------------- rounds
+    def complete_rounds(self) -> None:
+        """Log (and checkpoint) every finished round, in order, then forget what no task can read any more."""
+        while self.next_round <= self.R:
+            v = self.next_round
+            if not (all(self.settled(i, v - 1) for i in range(self.T)) and all((g, v) in self.versions for g in self.groups)):
+                return
+            val = self.val_losses(v)
+            if val is None:
+                return
+            if v not in self.logged:
+                self.log_round(v, val)
+            if v % self.cfg.checkpoint_every == 0 or v == self.R:
+                self.store.assemble(v, self.group_of, self.plan.paths, self.H, self.checkpoints)
+                previous = max(self.checkpoints)
+                self.checkpoints.add(v)
+                self.store.forget_before(previous)  # tasks still running read versions >= the previous checkpoint
+            self.next_round += 1
+        self.store.forget_before(self.R + 1)  # the last round is a checkpoint: the queue holds nothing more
+
+    def val_losses(self, v: int) -> dict[str, float] | None:
+        """Every path's validation loss at version v, or None while one is still coming."""
+        out = {}
+        for p, i in self.validator.items():
+            if (p, v) not in self.vals:
+                loss = self.store.val_loss(v, p)
+                if loss is None and (i, v) in self.done and self.store.phase_info(v, i)["val_loss"] is None:
+                    self.vals[(p, v)] = None  # its validation file is too short for one window, as in the sync engine
+                elif loss is None:
+                    return None
+                else:
+                    self.vals[(p, v)] = loss
+            if self.vals[(p, v)] is not None:
+                out[p] = self.vals[(p, v)]
+        return out
+
+    def log_round(self, v: int, val: dict[str, float]) -> None:
+        phases, losses = [], []
+        for i in range(self.T):
+            tries = self.store.attempts(v - 1, i)
+            if (i, v - 1) in self.dropped:
+                phases.append({"trainee": i, "path": self.plan.paths[i], "dropped": True, "attempts": len(tries),
+                               "nodes": sorted({a["node"] for a in tries})})
+                continue
+            info = self.store.phase_info(v - 1, i)
+            for rec in info["inner"]:
+                log(self.metrics, **rec)
+            losses.append(info["train_loss"])
+            self.counts["retried"] += len(tries) > 1
+            phases.append({k: info[k] for k in ("trainee", "path", "node", "host", "pid", "load_s", "val_s", "compute_s",
+                                                "save_s", "bytes_sent", "bytes_loaded")} | {"attempts": len(tries)})
+        steps = [self.store.step_info(v, g) for g in self.groups]
+        now = time.time()
+        tokens = len(losses) * self.H * self.cfg.inner.batch_size * self.cfg.model.max_seq_len
+        seconds = now - self.last_logged_at
+        self.last_logged_at = now
+        log(self.metrics, kind="round", round=v, engine="ray", train_loss=sum(losses) / len(losses) if losses else None,
+            train_loss_by_trainee=[None if p.get("dropped") else self.store.phase_info(v - 1, p["trainee"])["train_loss"]
+                                   for p in phases],
+            val_loss=val, val_loss_mean=(sum(val.values()) / len(val)) if val else None, seconds=seconds, tokens=tokens,
+            tokens_per_s=tokens / seconds if seconds > 0 else None, workers=int(ray.cluster_resources().get("CPU", 0)),
+            bytes_sent=sum(p.get("bytes_sent", 0) for p in phases), bytes_received=sum(s["bytes_received"] for s in steps),
+            bytes_loaded=sum(p.get("bytes_loaded", 0) for p in phases),
+            compute_s=mean_of(phases, "compute_s"), load_s=mean_of(phases, "load_s"), save_s=mean_of(phases, "save_s"),
+            dropped=[p["trainee"] for p in phases if p.get("dropped")], retried=[p["trainee"] for p in phases if p["attempts"] > 1],
+            phases=phases, steps=[{k: s[k] for k in ("group", "node", "pid", "seconds", "contributors")} for s in steps])
+        self.bar.set_postfix(round=v, loss=f"{sum(losses) / max(1, len(losses)):.3f}")
+
+
+def renormalised(weights: dict[int, float], contributors: list[int]) -> dict[int, float]:
+    total = sum(weights[i] for i in contributors)
+    return {i: (weights[i] / total if total > 0 else 1.0 / len(contributors)) for i in contributors}
+
+
+def describe(kind: str, who, v: int) -> str:
+    return {"phase": f"phase (trainee {who}, round {v + 1})", "step": f"the outer step of {who} to round {v + 1}",
+            "val": f"the validation of path {who} at round {v}"}[kind]
+
+
+def mean_of(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return sum(values) / len(values) if values else None
+
+
+def logged_rounds(run: Path) -> set[int]:
+    f = run / "metrics.jsonl"
+    rounds = set()
+    for line in f.read_text(encoding="utf-8").splitlines() if f.is_file() else ():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("kind") == "round":
+            rounds.add(int(row["round"]))
+    return rounds
+
+
+def log(stream, **record) -> None:
+    stream.write(json.dumps(record) + "\n")
+    stream.flush()
