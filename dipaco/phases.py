@@ -14,7 +14,7 @@ Same inputs, same bits: a task pins its torch threads (``ray.threads``), and not
 process or machine runs it, so a retried phase writes exactly what the lost attempt would have written.
 
 Test hook: ``DIPACO_TEST_DELAY="<trainee>:<version>:<seconds>,step:<version>:<seconds>"`` makes the first attempt of
-that phase sleep halfway through its inner steps, or of every outer step from that version sleep after its first
+that phase sleep halfway through its inner steps, or the first outer step from that version sleep after its first
 module (tests kill the process there, or leave a phase late for a quorum).
 """
 
@@ -164,6 +164,7 @@ def outer_step(spec: StepSpec, node: str = "") -> dict:
     if store.version_ready(spec.version + 1, spec.group):  # an earlier attempt committed it before it was lost
         return store.step_info(spec.version + 1, spec.group)
     attempt = store.record_attempt(spec.version, f"step_{spec.group}", where() | {"node": node})
+    delay = _test_delay("step", spec.version, store.step_attempts(spec.version))
     momentum = load_tensors(Path(spec.outer))
     tmp = store.staging(final)
     received, new_momentum = 0, {}
@@ -185,8 +186,9 @@ def outer_step(spec: StepSpec, node: str = "") -> dict:
                 sqrt_rescale(grad, spec.paths_through[m])
             outer.step(m, grad)
         save_tensors(tensors, tmp / f"{m}.safetensors")
-        if attempt == 1 and _test_delay("step", spec.version, attempt):  # a test kills the executor here
-            time.sleep(_test_delay("step", spec.version, attempt))
+        if delay:  # a test kills the executor here
+            time.sleep(delay)
+            delay = 0.0
         new_momentum.update(outer.state_dict())
     save_tensors(new_momentum, tmp / "outer.safetensors")
     record = {"group": spec.group, "version": spec.version + 1, "contributors": sorted(spec.contributors),
@@ -214,7 +216,7 @@ def validate_path(run: str, shards_dir: str, cfg: TrainConfig, grid: Grid, path:
 
 def _test_delay(who: int | str, version: int, attempt: int) -> float:
     """Seconds the first attempt of phase (``who`` = trainee, version) or of an outer step from ``version``
-    (``who`` = "step") sleeps, from the test hook ``DIPACO_TEST_DELAY``."""
+    (``who`` = "step": the first attempt of any group's step) sleeps, from the test hook ``DIPACO_TEST_DELAY``."""
     for item in filter(None, os.environ.get("DIPACO_TEST_DELAY", "").split(",")):
         target, v, seconds = item.split(":")
         if target == str(who) and int(v) == version and attempt == 1:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -276,7 +277,7 @@ class TaskQueue:
                 self.counts["dropped"] += 1
                 for ref, task in list(self.inflight.items()):
                     if task == ("phase", i, v):
-                        ray.cancel(ref, force=True)
+                        ray.cancel(ref)  # interrupts it; its worker process lives on for the next phase
 
     # ----------------------------------------------------------------------------------------------- rounds
     def complete_rounds(self) -> None:
@@ -296,7 +297,7 @@ class TaskQueue:
                 self.checkpoints.add(v)
                 self.store.forget_before(previous)  # tasks still running read versions >= the previous checkpoint
             self.next_round += 1
-        self.store.forget_before(self.R + 1)  # the last round is a checkpoint: the queue holds nothing more
+        shutil.rmtree(self.store.root, ignore_errors=True)  # the last round is a checkpoint: the queue holds nothing more
 
     def val_losses(self, v: int) -> dict[str, float] | None:
         """Every path's validation loss at version v, or None while one is still coming."""

@@ -88,6 +88,10 @@ class TaskStore:
         d = self.attempts_dir(v, who)
         return sorted((json.loads(f.read_text()) for f in d.glob("*.json")), key=lambda a: a["started"]) if d.is_dir() else []
 
+    def step_attempts(self, v: int) -> int:
+        """Attempts of outer steps from version v, over all groups."""
+        return len(list((self.root / "attempts" / str(v)).glob("step_*/*.json")))
+
     def val_loss(self, v: int, path: str) -> float | None:
         f = self.val_file(v, path)
         return float(json.loads(f.read_text())["loss"]) if f.is_file() else None

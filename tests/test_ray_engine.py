@@ -1,0 +1,209 @@
+"""The Ray engine (`dipaco train --engine ray`) on a real local multi-node Ray cluster (one per test session).
+
+Every test runs the real CLI as a driver process against the cluster, and compares the final checkpoint with the
+in-process engine's on the same config and seed, bit for bit: plain, at 4 bits with more paths than workers, and
+through a worker SIGKILLed mid-phase, an executor SIGKILLed mid-step, a node removed (and another added) mid-run,
+and a driver SIGKILLed and resumed. The quorum test leaves one phase late on purpose and checks it is dropped.
+Faults are placed with the engine's test hook DIPACO_TEST_DELAY (dipaco/phases.py), which makes the first attempt of
+a chosen phase or outer step sleep in its middle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import TINY_TRAIN, shard_config, tiny_train_config
+
+ray = pytest.importorskip("ray", reason="the Ray engine needs the ray extra: pip install -e '.[ray]'")
+pytestmark = pytest.mark.slow
+
+ROUNDS, H = 3, 10
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A head node (1 CPU) and one worker node (1 CPU): two machines, as Ray sees them, on localhost."""
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shards_4x4(corpus_file, tmp_path_factory) -> Path:
+    """16 paths (i.i.d. shards: the small test corpus does not spread over 16 k-means paths)."""
+    from dipaco.sharding.writer import shard
+
+    out = tmp_path_factory.mktemp("shards") / "s4x4"
+    shard([str(corpus_file)], shard_config("4x4", 'routing.assign="random"'), out, progress=False)
+    return out
+
+
+_reference: dict = {}
+
+
+def reference(shards: Path, tmp_path_factory, *extra: str) -> Path:
+    """The in-process engine's run of the same config (one per config and shard directory, per session)."""
+    from dipaco.train import train
+
+    key = (str(shards), extra)
+    if key not in _reference:
+        out = tmp_path_factory.mktemp("reference") / "run"
+        train(tiny_train_config(*extra, rounds=ROUNDS, inner_steps=H), shards, out, progress=False)
+        _reference[key] = out
+    return _reference[key]
+
+
+def start_driver(shards: Path, out: Path, cluster, *extra: str, resume: bool = False, env: dict | None = None):
+    sets = [a for kv in TINY_TRAIN + list(extra) for a in ("--set", kv)]
+    cmd = [sys.executable, "-m", "dipaco.cli", "train", "--shards", str(shards), "--out", str(out), "--rounds", str(ROUNDS),
+           "--inner-steps", str(H), "--engine", "ray", "--address", cluster.address, "--quiet", *sets]
+    return subprocess.Popen(cmd + (["--resume"] if resume else []), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **(env or {})})
+
+
+def finish(proc, timeout: float = 240) -> str:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+def wait_for(condition, what: str, timeout: float = 120):
+    until = time.time() + timeout
+    while time.time() < until:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def first_attempt(run: Path, version: int, who: str) -> dict | None:
+    """The first started attempt of phase (trainee, version) (``who`` = "trainee_<i>") or outer step ("step_<group>")."""
+    for f in sorted((run / "queue" / "attempts" / str(version)).glob(f"{who}/*.json")):
+        return json.loads(f.read_text())
+    return None
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    ra, rb = (run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip() for run in (a, b))
+    assert ra.name == rb.name == f"round_{ROUNDS}"
+    files = sorted(p.name for p in (ra / "modules").glob("*.safetensors"))
+    assert files == sorted(p.name for p in (rb / "modules").glob("*.safetensors"))
+    for name in files + ["../state/outer.safetensors"]:
+        ta, tb = load_file(str(ra / "modules" / name)), load_file(str(rb / "modules" / name))
+        assert ta.keys() == tb.keys()
+        for k in ta:
+            assert torch.equal(ta[k], tb[k]), f"{name} {k} differs"
+
+
+def rounds(run: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == "round"]
+
+
+def test_same_bits_as_the_in_process_engine_2x2(shards_2x2, cluster, tmp_path, tmp_path_factory):
+    out = tmp_path / "ray"
+    summary = json.loads(finish(start_driver(shards_2x2, out, cluster)).strip().splitlines()[-1])
+    assert summary["engine"] == "ray" and summary["workers"] == 2
+    ref = reference(shards_2x2, tmp_path_factory)
+    assert_same_weights(ref, out)
+    mine, theirs = rounds(out), rounds(ref)
+    assert [r["round"] for r in mine] == [1, 2, 3]
+    for a, b in zip(mine, theirs):  # the same losses: the same computation
+        assert a["train_loss_by_trainee"] == b["train_loss_by_trainee"] and a["val_loss"] == b["val_loss"]
+        assert {p["trainee"] for p in a["phases"]} == {0, 1, 2, 3} and all(p["attempts"] == 1 for p in a["phases"])
+    assert not (out / "queue").exists()  # the finished run's checkpoints hold everything
+
+
+def test_same_bits_at_4_bits_with_more_paths_than_workers(shards_4x4, cluster, tmp_path, tmp_path_factory):
+    out = tmp_path / "ray"
+    finish(start_driver(shards_4x4, out, cluster, "comm.bits=4"))
+    assert_same_weights(reference(shards_4x4, tmp_path_factory, "comm.bits=4"), out)
+    nodes = {p["node"] for r in rounds(out) for p in r["phases"]}
+    assert len(nodes) == 2  # 16 paths on two nodes' workers
+    assert all(r["bytes_sent"] < r["bytes_loaded"] / 6 for r in rounds(out))  # 4-bit payloads vs fp32 weights
+
+
+def test_a_worker_killed_mid_phase_is_retried_with_the_same_bits(shards_2x2, cluster, tmp_path, tmp_path_factory):
+    out = tmp_path / "ray"
+    proc = start_driver(shards_2x2, out, cluster, env={"DIPACO_TEST_DELAY": "1:1:60"})
+    victim = wait_for(lambda: first_attempt(out, 1, "trainee_1"), "phase (1, 1) to start")
+    time.sleep(1.0)  # it is asleep halfway through its inner steps now
+    os.kill(victim["pid"], signal.SIGKILL)
+    finish(proc)
+    assert_same_weights(reference(shards_2x2, tmp_path_factory), out)
+    retried = rounds(out)[1]
+    assert retried["retried"] == [1] and [p["attempts"] for p in retried["phases"]] == [1, 2, 1, 1]
+
+
+def test_an_executor_killed_mid_step_restarts_with_the_same_bits(shards_2x2, cluster, tmp_path, tmp_path_factory):
+    out = tmp_path / "ray"
+    proc = start_driver(shards_2x2, out, cluster, env={"DIPACO_TEST_DELAY": "step:1:60"})
+    victim = wait_for(lambda: next(filter(None, (first_attempt(out, 1, d.name) for d in
+                                                 (out / "queue" / "attempts" / "1").glob("step_*"))), None),
+                      "an outer step from version 1 to start")
+    time.sleep(1.0)
+    os.kill(victim["pid"], signal.SIGKILL)
+    finish(proc)
+    assert_same_weights(reference(shards_2x2, tmp_path_factory), out)
+    assert any(s["pid"] != victim["pid"] for s in rounds(out)[1]["steps"])  # the restarted executor finished the round
+
+
+def test_a_node_removed_and_another_added_mid_run(shards_2x2, cluster, tmp_path, tmp_path_factory):
+    out = tmp_path / "ray"
+    spare = cluster.add_node(num_cpus=1)  # three 1-CPU nodes: three of a round's four phases run at once
+    cluster.wait_for_nodes()
+    proc = start_driver(shards_2x2, out, cluster, env={"DIPACO_TEST_DELAY": ",".join(f"{i}:1:5" for i in range(4))})
+    running = wait_for(lambda: [a for i in range(4) if (a := first_attempt(out, 1, f"trainee_{i}"))
+                                and a["node"] == spare.node_id], "a round-2 phase on the spare node")
+    cluster.remove_node(spare, allow_graceful=False)  # its phase (asleep mid-way) is lost with it
+    joined = cluster.add_node(num_cpus=1)
+    try:
+        finish(proc)
+    finally:
+        cluster.remove_node(joined)
+    assert_same_weights(reference(shards_2x2, tmp_path_factory), out)
+    later = [p for r in rounds(out)[1:] for p in r["phases"]]
+    assert any(p["node"] == joined.node_id for p in later), "the node added mid-run took no phase"
+    assert rounds(out)[1]["retried"] and running
+
+
+def test_a_driver_killed_mid_run_resumes_with_the_same_bits(shards_2x2, cluster, tmp_path, tmp_path_factory):
+    out = tmp_path / "ray"
+    proc = start_driver(shards_2x2, out, cluster, env={"DIPACO_TEST_DELAY": "2:1:60"})
+    wait_for(lambda: (out / "checkpoints" / "round_1").is_dir() and first_attempt(out, 1, "trainee_2"), "round 2 to start")
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "round_1"
+    finish(start_driver(shards_2x2, out, cluster, resume=True))  # the delay hook only slows a first attempt
+    assert_same_weights(reference(shards_2x2, tmp_path_factory), out)
+    assert [r["round"] for r in rounds(out)] == [1, 2, 3]  # no round logged twice
+
+
+def test_a_quorum_goes_ahead_without_a_late_phase(shards_2x2, cluster, tmp_path):
+    out = tmp_path / "ray"
+    began = time.time()
+    finish(start_driver(shards_2x2, out, cluster, "ray.quorum=3", "ray.grace=10.0",
+                        env={"DIPACO_TEST_DELAY": "3:1:120"}))
+    assert time.time() - began < 100  # it did not wait for the slow phase
+    late = rounds(out)[1]
+    dropped = [r["dropped"] for r in rounds(out)]
+    assert dropped == [[], [3], []], [[(p["trainee"], p.get("node", "")[:6], p.get("compute_s")) for p in r["phases"]] for r in rounds(out)]
+    assert late["train_loss_by_trainee"][3] is None
+    steps = {s["group"]: s["contributors"] for s in late["steps"]}
+    assert steps["embed+head"] == [0, 1, 2] and steps["L0.E1"] == [2]
+    assert (out / "checkpoints" / f"round_{ROUNDS}").is_dir()
