@@ -30,6 +30,13 @@ def module_weights(trainee_modules: list[list[str]], trainee_sizes: list[float])
     return out
 
 
+def renormalised(weights: dict[int, float], contributors: list[int]) -> dict[int, float]:
+    """A module's weights over a subset of its trainees (the Ray engine's quorum dropped the others), rescaled to
+    sum to 1 again: the trainees present share the whole outer step."""
+    total = sum(weights[i] for i in contributors)
+    return {i: (weights[i] / total if total > 0 else 1.0 / len(contributors)) for i in contributors}
+
+
 @torch.no_grad()
 def outer_gradient(global_tensors: dict[str, torch.Tensor], local_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Δ_i = global - local (old minus new), fp32, for the names of ``global_tensors``."""

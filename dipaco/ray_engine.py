@@ -38,6 +38,7 @@ from dipaco.errors import DipacoError
 from dipaco.grid import format_grid
 from dipaco.io import write_json
 from dipaco.model import PathModel, count_parameters, init_modules, llama_config
+from dipaco.outer import renormalised
 from dipaco.phases import PhaseSpec, StepSpec, outer_step, run_phase, validate_path
 from dipaco.run import Plan, RunDirectory, build_grid, check_dense_source, init_from_dense
 from dipaco.shards import ShardSet
@@ -346,11 +347,6 @@ class TaskQueue:
             dropped=[p["trainee"] for p in phases if p.get("dropped")], retried=[p["trainee"] for p in phases if p["attempts"] > 1],
             phases=phases, steps=[{k: s[k] for k in ("group", "node", "pid", "seconds", "contributors")} for s in steps])
         self.bar.set_postfix(round=v, loss=f"{sum(losses) / max(1, len(losses)):.3f}")
-
-
-def renormalised(weights: dict[int, float], contributors: list[int]) -> dict[int, float]:
-    total = sum(weights[i] for i in contributors)
-    return {i: (weights[i] / total if total > 0 else 1.0 / len(contributors)) for i in contributors}
 
 
 def describe(kind: str, who, v: int) -> str:
