@@ -15,7 +15,7 @@ metrics every phase reports.
 
 Shards: a 2x2 shard directory made once from the first documents of every file of ``$DIPACO_CORPUS`` or
 ``../shared/corpus``, else from the default corpus. Prints a table; writes ``bench/out/ray_engine.json`` (the
-measured inputs of ``bench/elastic.py``).
+measured inputs of ``bench/elastic.py``) and ``bench/ray_engine_results.json``.
 """
 
 from __future__ import annotations
@@ -139,8 +139,9 @@ def main(argv=None) -> int:
                     "outer_gradient_bytes_per_phase": t["bytes_sent"], "module_bytes_per_phase": t["bytes_loaded"],
                     "trainee_state_bytes": state.stat().st_size, "inner_steps": H, "bits": args.bits})
     OUT.mkdir(exist_ok=True)
-    (OUT / "ray_engine.json").write_text(json.dumps(summary, indent=1, default=str))
-    print(f"\nwrote {OUT / 'ray_engine.json'}")
+    for f in (OUT / "ray_engine.json", Path(__file__).resolve().parent / "ray_engine_results.json"):
+        f.write_text(json.dumps(summary, indent=1, default=str))
+        print(f"wrote {f}")
     return 0
 
 

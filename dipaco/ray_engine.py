@@ -156,7 +156,10 @@ class TaskQueue:
         self.inflight: dict = {}  # ObjectRef -> ("phase", i, v) | ("step", g, v) | ("val", path, v)
         self.quorum_since: dict[tuple[str, int], float] = {}
         self.logged = logged_rounds(store.run)
-        self.next_round, self.last_logged_at = start + 1, time.time()
+        self.next_round = start + 1
+        # version -> when its last outer step came back (a round's clock; versions a resumed driver finds: now)
+        self.finished_at = {v: time.time() for v in range(start, self.R + 1)
+                            if v == start or all((g, v) in self.versions for g in self.groups)}
         self.bar = tqdm(total=(self.R - start) * self.T * self.H, desc=f"train {store.run.name} (ray)", unit="step",
                         disable=not progress, dynamic_ncols=True, mininterval=1.0)
         self.bar.update(len(self.done) * self.H)
@@ -253,6 +256,8 @@ class TaskQueue:
             self.bar.update(self.H)
         elif kind == "step":
             self.versions.add((who, v + 1))
+            if all((g, v + 1) in self.versions for g in self.groups):
+                self.finished_at[v + 1] = time.time()
             self.quorum_since.pop((who, v), None)
         elif kind == "val":
             self.vals[(who, v)] = result
@@ -332,10 +337,9 @@ class TaskQueue:
             phases.append({k: info[k] for k in ("trainee", "path", "node", "host", "pid", "load_s", "val_s", "compute_s",
                                                 "save_s", "bytes_sent", "bytes_loaded")} | {"attempts": len(tries)})
         steps = [self.store.step_info(v, g) for g in self.groups]
-        now = time.time()
         tokens = len(losses) * self.H * self.cfg.inner.batch_size * self.cfg.model.max_seq_len
-        seconds = now - self.last_logged_at
-        self.last_logged_at = now
+        # from the previous round's last outer step to this one's (phases of both rounds may overlap in between)
+        seconds = self.finished_at[v] - self.finished_at.get(v - 1, self.finished_at[self.start])
         log(self.metrics, kind="round", round=v, engine="ray", train_loss=sum(losses) / len(losses) if losses else None,
             train_loss_by_trainee=[None if p.get("dropped") else self.store.phase_info(v - 1, p["trainee"])["train_loss"]
                                    for p in phases],
