@@ -207,3 +207,20 @@ def test_a_quorum_goes_ahead_without_a_late_phase(shards_2x2, cluster, tmp_path)
     steps = {s["group"]: s["contributors"] for s in late["steps"]}
     assert steps["embed+head"] == [0, 1, 2] and steps["L0.E1"] == [2]
     assert (out / "checkpoints" / f"round_{ROUNDS}").is_dir()
+
+
+def test_the_engines_resume_each_others_runs(shards_2x2, cluster, tmp_path, tmp_path_factory):
+    """A run the in-process engine checkpointed at round 1 goes on under Ray, and ends with the same bits."""
+    import shutil
+
+    from dipaco.run import Run
+
+    ref = reference(shards_2x2, tmp_path_factory)
+    out = tmp_path / "ray"
+    shutil.copytree(ref, out)
+    for r in range(2, ROUNDS + 1):
+        shutil.rmtree(out / "checkpoints" / f"round_{r}")
+    (out / "checkpoints" / "latest").write_text("round_1\n")
+    finish(start_driver(shards_2x2, out, cluster, resume=True))
+    assert_same_weights(ref, out)
+    assert Run(out).path_model("1-0").model is not None  # eval, generate and export read it like any run
