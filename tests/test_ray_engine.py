@@ -197,15 +197,15 @@ def test_a_driver_killed_mid_run_resumes_with_the_same_bits(shards_2x2, cluster,
 def test_a_quorum_goes_ahead_without_a_late_phase(shards_2x2, cluster, tmp_path):
     out = tmp_path / "ray"
     began = time.time()
-    finish(start_driver(shards_2x2, out, cluster, "ray.quorum=3", "ray.grace=10.0",
-                        env={"DIPACO_TEST_DELAY": "3:1:120"}))
-    assert time.time() - began < 100  # it did not wait for the slow phase
+    finish(start_driver(shards_2x2, out, cluster, "ray.quorum=3", "ray.grace=20.0",
+                        env={"DIPACO_TEST_DELAY": "3:1:600"}))
+    assert time.time() - began < 300  # it did not wait for the slow phase
     late = rounds(out)[1]
-    dropped = [r["dropped"] for r in rounds(out)]
-    assert dropped == [[], [3], []], [[(p["trainee"], p.get("node", "")[:6], p.get("compute_s")) for p in r["phases"]] for r in rounds(out)]
-    assert late["train_loss_by_trainee"][3] is None
+    assert late["dropped"] == [3] and late["train_loss_by_trainee"][3] is None
+    # another round may drop trainee 3 too if its next phase waited too long for a worker on a loaded machine
+    assert all(r["dropped"] in ([], [3]) for r in rounds(out)), [r["dropped"] for r in rounds(out)]
     steps = {s["group"]: s["contributors"] for s in late["steps"]}
-    assert steps["embed+head"] == [0, 1, 2] and steps["L0.E1"] == [2]
+    assert steps["embed+head"] == [0, 1, 2] and steps["L0.E1"] == [2] and steps["L1.E1"] == [1]
     assert (out / "checkpoints" / f"round_{ROUNDS}").is_dir()
 
 
