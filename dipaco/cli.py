@@ -242,6 +242,8 @@ def cmd_fit_window_router(args) -> None:
     check_writable(Path(args.run) / "window_routers" / f"w{args.window}", "--run")
     rep = fit_window_router(args.run, args.shards, args.window, cfg.round, cfg.max_tokens, cfg.holdout_fraction,
                             cfg.seed, args.overwrite, progress=not args.quiet)
+    if rep.get("warning"):
+        print(f"dipaco fit-window-router: warning: {rep['warning']}", file=sys.stderr)
     print(f"wrote {rep['out']}: {rep['examples']} windows of {rep['window']} tokens from {rep['router_documents']} router "
           f"documents (round {rep['round']}), {rep['seconds']:.0f} s")
     if rep["accuracy"] is not None:
@@ -250,6 +252,9 @@ def cmd_fit_window_router(args) -> None:
               f"the document's path {rep['accuracy_document_path']:.3f}); mean loss {rep['loss_window_router']:.4f} "
               f"(shard router {rep['loss_shard_router_previous_tokens']:.4f}, document path {rep['loss_document_path']:.4f}, "
               f"oracle {rep['loss_oracle']:.4f})")
+    policy = rep["policy"]
+    print(f"every-{rep['window']} routing will use {policy['name']}: {policy['reason']}; validation perplexity of every rule: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in sorted(policy["validation"].items(), key=lambda kv: kv[1])))
 
 
 def cmd_export(args) -> None:

@@ -163,7 +163,7 @@ def outer_step(spec: StepSpec, node: str = "") -> dict:
     final = store.version_dir(spec.version + 1, spec.group)
     if store.version_ready(spec.version + 1, spec.group):  # an earlier attempt committed it before it was lost
         return store.step_info(spec.version + 1, spec.group)
-    attempt = store.record_attempt(spec.version, f"step_{spec.group}", where() | {"node": node})
+    store.record_attempt(spec.version, f"step_{spec.group}", where() | {"node": node})
     delay = _test_delay("step", spec.version, store.step_attempts(spec.version))
     momentum = load_tensors(Path(spec.outer))
     tmp = store.staging(final)

@@ -12,11 +12,12 @@ every-W and mixture rows reuse the forward passes of the routed row.
 Methods:
   routed        route once per document by the shard router on its decoded first tokens (the same
                 function that sharded it; dense runs: their single path)
-  every-W       chunk 0 (W targets) takes the document's routed path; chunk k >= 1 the path chosen
-                from the tokens before it: the run's window router (``dipaco fit-window-router``) on
-                the previous W tokens, or the shard router on the previous 32. Targets keep the
-                context of their scoring window, so with W >= the document length the result equals
-                ``routed`` exactly.
+  every-W       chunk 0 (W targets) takes the document's routed path; chunk k >= 1 the path a rule picks
+                from what came before it (``dipaco.eval.window_policy``): the rule chosen on the
+                validation documents (by ``dipaco fit-window-router``, or here for a run without one);
+                "stay" (= routed) is always a candidate. Targets keep the context of their scoring
+                window, so with W >= the document length the result equals ``routed`` exactly.
+  window-oracle-W  the best path for every W-token chunk (with the oracle): what every-W could reach
   oracle        the path with the lowest loss on each whole document (a bound no router beats)
   random        a seeded uniform path per document
   early-stop    ``routed`` with each path at its round of lowest validation loss (metrics.jsonl)
@@ -34,6 +35,7 @@ from tqdm.auto import tqdm
 
 from dipaco.command_config import EvalCommandConfig as E  # the defaults, declared once
 from dipaco.errors import DipacoError
+from dipaco.eval.window_policy import all_chunk_nll, candidates, choose, chunk_cuts, decide, rule_of
 from dipaco.routing import Router
 from dipaco.routing.router import BaseRouter
 from dipaco.run import Run
@@ -198,27 +200,36 @@ def once_segments(routes: list[str], ids: list[list[int]], context: int, rounds:
     return [[(lo, len(x), [(p, rounds if isinstance(rounds, int) else rounds[p], 1.0)])] for p, x in zip(routes, ids)]
 
 
-def every_w_segments(router: BaseRouter, window_router: BaseRouter | None, ids: list[list[int]], context: int, w: int,
-                     r: int) -> list[list[Segment]]:
-    """Chunk 0 (the first W targets after the context) takes the document's path (the shard router on its
-    prefix); chunk k >= 1 takes the path chosen from the tokens just before it: the window router on the
-    previous W tokens and the document's path, or without one the shard router on the previous
-    ``router.input.tokens`` tokens."""
-    if w < 1:
-        raise DipacoError(f"--route-every {w} is not valid; give a window of at least 1 token")
-    lo0 = max(1, context)
-    cuts = [[(lo, min(lo + w, len(x))) for lo in range(lo0, len(x), w)] for x in ids]
-    first = router.route_ids(ids)
-    span = w if window_router is not None else router.input.tokens
-    # one entry per chunk after the first, document by document: a document without chunks adds nothing
-    later = [x[max(0, lo - span):lo] for x, cs in zip(ids, cuts) for lo, _ in cs[1:]]
-    if window_router is not None:
-        on = [first[d] for d, cs in enumerate(cuts) for _ in cs[1:]]
-        later_paths = iter(window_router.route_windows(later, on))
-    else:
-        later_paths = iter(router.route_ids(later))
-    return [[(lo, hi, [(first[d] if k == 0 else next(later_paths), r, 1.0)]) for k, (lo, hi) in enumerate(cs)]
-            for d, cs in enumerate(cuts)]
+def segments_of(cuts: list[list[tuple[int, int]]], choice: list[list[str]], r: int) -> list[list[Segment]]:
+    return [[(lo, hi, [(p, r, 1.0)]) for (lo, hi), p in zip(cs, ps)] for cs, ps in zip(cuts, choice)]
+
+
+def policy_file(run: Run, w: int) -> Path:
+    return window_router_dir(run, w) / "policy.json"
+
+
+def every_w_policy(run: Run, shards: ShardSet, w: int, r: int, window_router: BaseRouter | None, progress: bool = True) -> dict:
+    """The rule of every-W routing for this run: the one ``dipaco fit-window-router`` chose on the validation documents
+    (``RUN/window_routers/w<W>/policy.json``), or, for a run without one, the one the validation documents choose now
+    among the rules that need no fitting."""
+    f = policy_file(run, w)
+    if f.is_file():
+        return json.loads(f.read_text(encoding="utf-8")) | {"source": str(f)}
+    return choose_on_validation(run, shards, w, r, window_router, progress) | {"source": "chosen now on the validation documents"}
+
+
+def choose_on_validation(run: Run, shards: ShardSet, w: int, r: int, window_router: BaseRouter | None,
+                         progress: bool = True) -> dict:
+    """Every candidate rule scored on every chunk of the validation documents (never the held-out ones); the best."""
+    context = run.config.eval.context_tokens
+    router = shard_router(shards, context)
+    _, ids = validation_tokens(shards, run.config.eval.max_tokens_per_doc)
+    cuts = chunk_cuts(ids, context, w)
+    scorer = Scorer(run, ids, run.config.eval.batch_size, progress)
+    chunk_nll = all_chunk_nll(scorer, run.grid.paths, r, cuts)
+    rules = candidates(w, router.input.tokens, window_router is not None)
+    out = choose(rules, cuts, router.route_ids(ids), ids, run.grid.paths, chunk_nll, router, window_router)
+    return out | {"window": w, "round": r, "split": "val", "documents": len(ids)}
 
 
 def check_mixture(k: int, run: Run) -> None:
@@ -307,12 +318,20 @@ def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[in
         else f"once, shard router on the first {router.input.tokens} tokens")
     if run.is_dense:
         return rows
+    chunk_nll: dict[int, list[np.ndarray]] = {}
     for w in route_every:
         window = load_window_router(run, shards, w)
-        how = (f"every {w} tokens: window router {window_router_dir(run, w)} on the previous {w} tokens" if window else
-               f"every {w} tokens: shard router on the previous {router.input.tokens} tokens (the run has no window router for {w})")
-        add(f"every-{w}", every_w_segments(router, window, ids, context, w, r), routing=how,
+        policy = every_w_policy(run, shards, w, r, window, progress)
+        rule, cuts = rule_of(policy["chosen"]), chunk_cuts(ids, context, w)
+        if rule.kind == "lagged-loss" or oracle:
+            chunk_nll[w] = all_chunk_nll(scorer, run.grid.paths, r, cuts)
+        choice = decide(rule, cuts, routes, ids, run.grid.paths, router, window, chunk_nll.get(w))
+        add(f"every-{w}", segments_of(cuts, choice, r), routing=f"every {w} tokens, {rule.name}: {rule.describe(w)}; "
+            f"chosen on the validation documents ({policy['reason']})", policy=policy,
             window_router=str(window_router_dir(run, w)) if window else None)
+        if oracle:  # the bound every-W routing could reach: the best path for every chunk, scored on the chunk
+            best = [[run.grid.paths[int(j)] for j in c.argmin(axis=1)] if len(c) else [] for c in chunk_nll[w]]
+            add(f"window-oracle-{w}", segments_of(cuts, best, r), routing=f"best path per {w}-token chunk (oracle)")
     if early_stopping:
         picks = early_stopping_rounds(run)
         add("early-stop", once_segments(routes, ids, context, picks), routing="once", round=None, rounds=picks)

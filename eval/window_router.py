@@ -11,7 +11,11 @@ the document's path (5.047 vs 5.027 nats), while with the document's path as an 
 (5.015; the per-window oracle: 4.969). The report keeps both (``loss_window_alone``).
 Losses are computed exactly as ``dipaco eval`` scores (same windows, the routing prefix not scored),
 at the run's latest round unless told otherwise. The router is saved with the run
-(``RUN/window_routers/w<W>/``); ``dipaco eval --route-every W`` and ``dipaco generate`` use it.
+(``RUN/window_routers/w<W>/``) with ``policy.json``: the every-W rule (``dipaco.eval.window_policy``: stay on the
+document's path, the shard router, this window router with a switching margin, or the lagged loss of every path)
+chosen on the validation documents; ``dipaco eval --route-every W`` uses that rule. With too few router windows no
+router is fitted (a warning) and the policy is chosen among the rules that need none (routing once unless one is
+better on validation).
 """
 
 from __future__ import annotations
@@ -23,12 +27,16 @@ import numpy as np
 
 from dipaco.command_config import WindowRouterConfig as W  # the defaults, declared once
 from dipaco.errors import DipacoError
-from dipaco.eval.perplexity import Scorer, check_compatible, shard_router, window_router_dir
+from dipaco.eval.perplexity import Scorer, check_compatible, choose_on_validation, shard_router, window_router_dir
+from dipaco.io import write_json
 from dipaco.outputs import atomic_dir
 from dipaco.routing.discriminative import fit_discriminative, fit_window
 from dipaco.run import Run
 from dipaco.shards import ShardSet
 from dipaco.sharding.tokenizer import encode
+
+
+MIN_WINDOWS = 200  # fewer router windows than max(this, 25 per path): no window router is fitted
 
 
 def window_examples(ids: list[list[int]], context: int, w: int) -> list[tuple[int, int, int]]:
@@ -68,9 +76,16 @@ def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, 
     ids = [t[:max_tokens] for t in encode(shards.tokenizer(), [d["text"] for d in docs])]
     examples = window_examples(ids, context, window)
     paths = run.grid.paths
-    if len(examples) < max(10, 2 * len(paths)):
-        raise DipacoError(f"the router documents of {shards.root} give only {len(examples)} windows of {window} tokens; "
-                          f"re-shard with a larger data.router_fraction, or use a smaller --window")
+    enough = max(MIN_WINDOWS, 25 * len(paths))
+    if len(examples) < enough:  # no classifier: the rules that need no fitting, chosen on validation (stay included)
+        policy = choose_on_validation(run, shards, window, r, None, progress)
+        warning = (f"the router documents of {shards.root} give only {len(examples)} windows of {window} tokens (fewer "
+                   f"than {enough}), too few to fit a window router; every-{window} routing uses {policy['name']} "
+                   f"({policy['reason']}). Re-shard with a larger data.router_fraction to fit one")
+        with atomic_dir(out, overwrite=overwrite) as tmp:
+            write_json(tmp / "policy.json", policy)
+        return {"window": window, "round": r, "examples": len(examples), "router_documents": len(ids), "accuracy": None,
+                "warning": warning, "policy": policy, "seconds": round(time.perf_counter() - began, 2), "out": str(out)}
 
     # per-token losses of every router document under every path, as eval computes them
     scorer = Scorer(run, ids, run.config.eval.batch_size, progress)
@@ -113,8 +128,11 @@ def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, 
                                   f"path, label = the path with the lowest loss on the next {window}",
                        "run": str(run.root.resolve()), "shards_fingerprint": shards.fingerprint,
                        **{k: v for k, v in report.items() if k != "label_shares"}})
+    policy = choose_on_validation(run, shards, window, r, final, progress)  # which rule every-W routing uses
     with atomic_dir(out, overwrite=overwrite) as tmp:
         final.save(tmp)
+        write_json(tmp / "policy.json", policy)
+    report["policy"] = policy
     report["seconds"] = round(time.perf_counter() - began, 2)
     report["out"] = str(out)
     return report

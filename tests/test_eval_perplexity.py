@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from dipaco.errors import DipacoError
-from dipaco.eval.perplexity import (Scorer, early_stopping_rounds, evaluate, every_w_segments, heldout_tokens,
-                                    mixture_weights)
+from dipaco.eval.perplexity import (Scorer, early_stopping_rounds, evaluate, heldout_tokens, mixture_weights,
+                                    segments_of)
+from dipaco.eval.window_policy import Rule, chunk_cuts, decide
 from dipaco.run import Run
 from dipaco.scoring import document_nll
 from dipaco.shards import ShardSet
@@ -73,10 +74,6 @@ class _Recorder:
         self.seen += [list(x) for x in ids]
         return [self.paths[sum(x[: self.input.tokens]) % len(self.paths)] for x in ids]
 
-    def route_windows(self, ids, document_paths):  # the window router also gets the document's path
-        self.documents = list(document_paths)
-        return self.route_ids(ids)
-
 
 @pytest.mark.slow
 def test_route_every_w_uses_previous_window_and_full_context(run_dir, shards_2x2, report):
@@ -86,21 +83,14 @@ def test_route_every_w_uses_previous_window_and_full_context(run_dir, shards_2x2
     assert len(long_doc) > 100
     # a document with no scored chunk first: it must not put the long document's chunks out of step
     ids = [long_doc[:20], long_doc]
-    shard_rec, window_rec = _Recorder(run.grid.paths, 32), _Recorder(run.grid.paths, 16)
-    segs = every_w_segments(shard_rec, window_rec, ids, context=32, w=16, r=run.latest())
-    assert segs[0] == []
-    cuts = [(lo, min(lo + 16, len(long_doc))) for lo in range(32, len(long_doc), 16)]
-    assert [s[:2] for s in segs[1]] == cuts
-    # chunk 0 follows the document's route (shard router on its first tokens); chunk k >= 1 the window
-    # router on exactly the 16 tokens before it
-    assert segs[1][0][2][0][0] == shard_rec.route_ids([long_doc])[0]
-    assert window_rec.seen == [long_doc[lo - 16:lo] for lo, _ in cuts[1:]]
-    assert window_rec.documents == [segs[1][0][2][0][0]] * (len(cuts) - 1)
-    assert [s[2][0][0] for s in segs[1][1:]] == window_rec.route_ids([long_doc[lo - 16:lo] for lo, _ in cuts[1:]])
-    # without a window router the shard router reads the 32 tokens before each chunk
-    shard_only = _Recorder(run.grid.paths, 32)
-    every_w_segments(shard_only, None, [long_doc], context=32, w=16, r=run.latest())
-    assert shard_only.seen[1:] == [long_doc[lo - 32:lo] for lo, _ in cuts[1:]]
+    cuts = chunk_cuts(ids, context=32, w=16)
+    assert cuts[0] == [] and cuts[1] == [(lo, min(lo + 16, len(long_doc))) for lo in range(32, len(long_doc), 16)]
+    shard_rec = _Recorder(run.grid.paths, 32)
+    first = shard_rec.route_ids(ids)
+    choice = decide(Rule("shard-router", lookback=32), cuts, first, ids, run.grid.paths, router=shard_rec)
+    # chunk 0 follows the document's route; chunk k >= 1 the shard router on exactly the 32 tokens before it
+    assert choice[1][0] == first[1] and shard_rec.seen[2:] == [long_doc[lo - 32:lo] for lo, _ in cuts[1][1:]]
+    segs = segments_of(cuts, choice, run.latest())
     # every chunk is scored by its path with the tokens before it in the window as context
     ids, segs = [long_doc], segs[1:]
     scorer = Scorer(run, ids, batch_size=4, progress=False)
@@ -111,9 +101,15 @@ def test_route_every_w_uses_previous_window_and_full_context(run_dir, shards_2x2
     assert len({mix[0][0] for _, _, mix in segs[0]}) > 1  # the chunks really switch paths
     want = sum(brute[mix[0][0]][lo:hi].sum() for lo, hi, mix in segs[0])
     assert per_doc[0][0] == pytest.approx(want, rel=1e-5)
-    w16 = report["methods"]["dipaco every-16"]
-    assert w16["tokens"] == report["methods"]["dipaco"]["tokens"] and math.isfinite(w16["perplexity"])
-    assert "shard router on the previous 32 tokens" in w16["routing"]
+    # the report's every-16 row: a rule chosen on the validation documents (the run has no fitted one), never worse
+    # than routing once there; the window oracle is below both on the held-out documents
+    w16, once = report["methods"]["dipaco every-16"], report["methods"]["dipaco"]
+    assert w16["tokens"] == once["tokens"] and math.isfinite(w16["perplexity"])
+    assert "chosen on the validation documents" in w16["routing"] and w16["policy"]["split"] == "val"
+    chosen = w16["policy"]["validation"][w16["policy"]["name"]]
+    assert chosen <= w16["policy"]["validation"]["stay"] and w16["policy"]["window_oracle"] <= chosen
+    oracle16 = report["methods"]["dipaco window-oracle-16"]
+    assert oracle16["perplexity"] <= min(w16["perplexity"], once["perplexity"], report["methods"]["dipaco oracle"]["perplexity"])
 
 
 @pytest.mark.slow
@@ -177,7 +173,7 @@ def test_eval_cli_report_with_baseline_and_plots(run_dir, shards_2x2, tmp_path_f
     rep = json.loads(out.read_text())
     names = set(rep["methods"])
     assert names == {"dipaco", "dipaco every-32", "dipaco early-stop", "dipaco mixture-2", "dipaco random",
-                     "dipaco oracle", "dense baseline"}
+                     "dipaco oracle", "dipaco window-oracle-32", "dense baseline"}
     assert len({m["tokens"] for m in rep["methods"].values()}) == 1  # every row on the same tokens
     assert rep["methods"]["dense baseline"]["per_path"].keys() == {"0"}
     for f in ("report.md", "report.png", "report_rounds.png", "report_paths.png"):

@@ -64,8 +64,8 @@ def test_eval_and_generate_use_the_window_router(fitted):
     shards, run = fitted
     rep = evaluate({"d": run}, shards, progress=False, route_every=[W, 24])
     m = rep["methods"]
-    assert "window router" in m[f"d every-{W}"]["routing"] and m[f"d every-{W}"]["window_router"]
-    assert "no window router for 24" in m["d every-24"]["routing"]
+    assert m[f"d every-{W}"]["window_router"] and m[f"d every-{W}"]["policy"]["source"].endswith("policy.json")
+    assert m["d every-24"]["policy"]["source"] == "chosen now on the validation documents"  # no fitted rule for 24
     assert m[f"d every-{W}"]["tokens"] == m["d"]["tokens"] == m["d every-24"]["tokens"]
     rr = load(run, shards)
     assert rr.window_sizes() == [W]
@@ -78,3 +78,29 @@ def test_eval_and_generate_use_the_window_router(fitted):
     assert len(one.segments) == 1 and one.router.startswith("shard router")
     if len({p for p, _ in g.segments}) == 1:  # the same path throughout: the same greedy text
         assert one.text == g.text
+
+
+@pytest.mark.slow
+def test_too_few_router_windows_warn_and_fall_back_on_validation(shards_2x2, tmp_path_factory, capsys, monkeypatch):
+    """The session shards keep 0.5% router documents: far too few windows. No window router is fitted; one line
+    warns; the every-W rule is chosen among those that need no fitting, on validation documents only."""
+    import shutil
+
+    import dipaco.eval.perplexity as perplexity
+
+    run = tmp_path_factory.mktemp("few") / "run"
+    shutil.copytree(trained_run(tmp_path_factory, shards_2x2, *PRIVATE), run)
+    monkeypatch.setattr(perplexity, "heldout_tokens", lambda *a, **k: pytest.fail("the choice read held-out documents"))
+    assert main(["fit-window-router", "--run", str(run), "--shards", str(shards_2x2), "--window", str(W), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "too few to fit a window router" in err
+    folder = run / "window_routers" / f"w{W}"
+    assert not (folder / "router.json").exists()
+    policy = json.loads((folder / "policy.json").read_text())
+    assert policy["split"] == "val" and policy["chosen"]["kind"] in ("stay", "shard-router", "lagged-loss")
+    assert all(v >= policy["window_oracle"] for v in policy["validation"].values())
+    assert policy["validation"][policy["name"]] <= policy["validation"]["stay"]
+    monkeypatch.undo()
+    rep = evaluate({"d": run}, shards_2x2, progress=False, route_every=[W])
+    assert rep["methods"][f"d every-{W}"]["policy"]["name"] == policy["name"]
+    assert rep["methods"][f"d every-{W}"]["window_router"] is None

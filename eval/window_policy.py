@@ -1,0 +1,157 @@
+"""Every-W routing that never hurts: the candidate rules for re-routing a document every W tokens, and the choice
+among them on validation documents (never the held-out ones).
+
+Chunk 0 of a document (its first W scored tokens) takes the document's path (the shard router on its prefix);
+chunk k >= 1 takes the path a *rule* picks from what came before it:
+
+  stay                     the document's path: routing once, bit for bit
+  shard-router (L)         the shard router on the L tokens before the chunk
+  window-router (m)        the fitted window router (``dipaco fit-window-router``: the previous W tokens' features and
+                           the document's path); it leaves the document's path only when its probability for another
+                           path is higher by more than m
+  lagged-loss (n, m)       the path with the lowest loss on the previous n chunks (n = 0: everything scored so far),
+                           leaving the previous chunk's path only when it is beaten by more than m nats per token.
+                           It needs every path's loss on the text so far: P forward passes instead of one (the paper's
+                           small transformer router costs less; the scores here are what such a router learns to predict)
+
+``choose`` scores every path on every chunk of the validation documents once, adds up each rule's chunks (a chunk's
+loss does not depend on the other chunks' paths: every token keeps its preceding context) and picks the lowest;
+``stay`` wins ties, and wins outright when the validation documents give too few chunks to tell rules apart. The
+window oracle (the best path per chunk, scored on the chunk) bounds every rule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+MIN_CHUNKS = 200  # fewer validation chunks than this: too few to trust a rule over routing once
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: str                 # "stay" | "shard-router" | "window-router" | "lagged-loss"
+    margin: float = 0.0
+    lookback: int = 0         # shard-router: tokens read; lagged-loss: chunks (0 = everything so far)
+
+    @property
+    def name(self) -> str:
+        if self.kind == "stay":
+            return "stay"
+        if self.kind == "shard-router":
+            return f"shard-router L={self.lookback}"
+        if self.kind == "window-router":
+            return f"window-router m={self.margin:g}"
+        return f"lagged-loss n={self.lookback or 'all'} m={self.margin:g}"
+
+    def describe(self, w: int) -> str:
+        return {"stay": "the document's path for every chunk (= routing once)",
+                "shard-router": f"the shard router on the {self.lookback} tokens before each chunk",
+                "window-router": f"the window router on the previous {w} tokens and the document's path, switching "
+                                 f"when it prefers another path by more than {self.margin:g} in probability",
+                "lagged-loss": f"the path with the lowest loss on the {'text so far' if not self.lookback else f'previous {self.lookback} chunk(s)'}"
+                               f", switching when it beats the current path by more than {self.margin:g} nats/token "
+                               f"(scores every path)"}[self.kind]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def candidates(w: int, prefix_tokens: int, window_router: bool) -> list[Rule]:
+    rules = [Rule("stay"), Rule("shard-router", lookback=prefix_tokens)]
+    if w != prefix_tokens:
+        rules.append(Rule("shard-router", lookback=w))
+    rules += [Rule("lagged-loss", margin=m, lookback=n) for n in (1, 2, 0) for m in (0.0, 0.05, 0.1, 0.2, 0.4)]
+    if window_router:
+        rules += [Rule("window-router", margin=m) for m in (0.0, 0.1, 0.2, 0.4)]
+    return rules
+
+
+def chunk_cuts(ids: list[list[int]], context: int, w: int) -> list[list[tuple[int, int]]]:
+    """[lo, hi) of every chunk of every document: W scored tokens each, after the unscored context."""
+    lo0 = max(1, context)
+    return [[(lo, min(lo + w, len(x))) for lo in range(lo0, len(x), w)] for x in ids]
+
+
+def decide(rule: Rule, cuts: list[list[tuple[int, int]]], first: list[str], ids: list[list[int]], paths: list[str],
+           router=None, window_router=None, chunk_nll: list[np.ndarray] | None = None) -> list[list[str]]:
+    """The path of every chunk of every document under ``rule``. ``chunk_nll[d]``: (chunks, P) NLL sums of document d
+    (lagged-loss only); ``router``: the shard router; ``window_router``: the fitted one."""
+    out = [[first[d]] * len(cs) for d, cs in enumerate(cuts)]
+    later = [(d, k, lo) for d, cs in enumerate(cuts) for k, (lo, _) in enumerate(cs) if k]
+    if rule.kind == "stay" or not later:
+        return out
+    if rule.kind == "shard-router":
+        picks = router.route_ids([ids[d][max(0, lo - rule.lookback):lo] for d, _, lo in later])
+        for (d, k, _), p in zip(later, picks):
+            out[d][k] = p
+    elif rule.kind == "window-router":
+        span = window_router.input.tokens
+        x = window_router.features.transform(window_router.input.texts_of_ids([ids[d][max(0, lo - span):lo] for d, _, lo in later]))
+        anchors = np.array([paths.index(first[d]) for d, _, _ in later])
+        logits = window_router.window_logits(x, anchors)
+        prob = np.exp(logits - logits.max(axis=1, keepdims=True))
+        prob /= prob.sum(axis=1, keepdims=True)
+        best = prob.argmax(axis=1)
+        switch = prob[np.arange(len(best)), best] - prob[np.arange(len(best)), anchors] > rule.margin
+        for (d, k, _), b, s in zip(later, best, switch):
+            out[d][k] = paths[b] if s else first[d]
+    elif rule.kind == "lagged-loss":
+        for d, cs in enumerate(cuts):
+            current = paths.index(first[d])
+            sizes = np.array([hi - lo for lo, hi in cs], dtype=np.float64)
+            for k in range(1, len(cs)):
+                start = 0 if rule.lookback == 0 else max(0, k - rule.lookback)
+                per_token = chunk_nll[d][start:k].sum(axis=0) / sizes[start:k].sum()
+                best = int(per_token.argmin())
+                if per_token[current] - per_token[best] > rule.margin:
+                    current = best
+                out[d][k] = paths[current]
+    else:
+        raise ValueError(f"unknown rule {rule.kind!r}")
+    return out
+
+
+def all_chunk_nll(scorer, paths: list[str], r: int, cuts: list[list[tuple[int, int]]]) -> list[np.ndarray]:
+    """(chunks, P) NLL sums per document: every path on every chunk (scored once, shared by every rule and the oracle)."""
+    scorer.ensure([[(cs[0][0], cs[-1][1], [(p, r, 1.0)]) for p in paths] if cs else [] for cs in cuts])
+    return [np.array([[scorer.nll(p, r, d, lo, hi).sum(dtype=np.float64) for p in paths] for lo, hi in cs]).reshape(len(cs), len(paths))
+            for d, cs in enumerate(cuts)]
+
+
+def total_nll(choice: list[list[str]], chunk_nll: list[np.ndarray], paths: list[str]) -> float:
+    index = {p: j for j, p in enumerate(paths)}
+    return float(sum(chunk_nll[d][k, index[p]] for d, ps in enumerate(choice) for k, p in enumerate(ps)))
+
+
+def choose(rules: list[Rule], cuts, first, ids, paths, chunk_nll, router=None, window_router=None) -> dict:
+    """Every rule's perplexity on these (validation) chunks and the chosen rule, with the reason."""
+    tokens = sum(hi - lo for cs in cuts for lo, hi in cs)
+    later = sum(max(0, len(cs) - 1) for cs in cuts)
+    scores = {}
+    for rule in rules:
+        scores[rule.name] = total_nll(decide(rule, cuts, first, ids, paths, router, window_router, chunk_nll), chunk_nll, paths)
+    oracle = float(sum(c.min(axis=1).sum() for c in chunk_nll if len(c)))
+    by_name = {rule.name: rule for rule in rules}
+    best = min(rules, key=lambda rule: (scores[rule.name], rule.kind != "stay"))
+    if later < MIN_CHUNKS and best.kind != "stay":
+        reason = (f"only {later} re-routed chunks in the validation documents (< {MIN_CHUNKS}): too few to trust "
+                  f"{best.name} ({_ppl(scores[best.name], tokens):.3f}) over routing once ({_ppl(scores['stay'], tokens):.3f})")
+        best = by_name["stay"]
+    elif best.kind == "stay":
+        reason = f"no rule beat routing once on {later} validation chunks"
+    else:
+        reason = (f"lowest validation perplexity on {later} chunks: {_ppl(scores[best.name], tokens):.3f} vs "
+                  f"{_ppl(scores['stay'], tokens):.3f} routing once (window oracle {_ppl(oracle, tokens):.3f})")
+    return {"chosen": best.to_dict(), "name": best.name, "reason": reason, "chunks": later, "tokens": tokens,
+            "validation": {name: _ppl(s, tokens) for name, s in scores.items()}, "window_oracle": _ppl(oracle, tokens)}
+
+
+def rule_of(d: dict) -> Rule:
+    return Rule(d["kind"], float(d.get("margin", 0.0)), int(d.get("lookback", 0)))
+
+
+def _ppl(nll: float, tokens: int) -> float:
+    return math.exp(nll / tokens) if tokens else float("nan")
