@@ -7,14 +7,17 @@ softmax(-d^2 / T) of the router distances; it runs its own decoding loop (one KV
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from dipaco.command_config import GenerateConfig as G  # the defaults, declared once
 from dipaco.errors import DipacoError
 from dipaco.eval.perplexity import check_mixture, mixture_weights
+from dipaco.eval.window_policy import Rule, decide, rule_of
 
 if TYPE_CHECKING:  # only for annotations: RoutedRun.generate calls generate()
     from dipaco.eval.api import RoutedRun
@@ -59,9 +62,9 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
     """Greedy when ``temperature`` is 0, else sampling with ``temperature`` and ``top_p`` (seeded).
 
     The prompt is routed like a document (the shard router on its first tokens). ``route_every`` W > 0
-    re-routes after every W new tokens, from the W tokens before (the run's window router for W, or the
-    shard router on the last 32 tokens when the run has none); None does so when the run has exactly one
-    window router (its W), 0 never."""
+    re-routes after every W new tokens with the run's every-W rule (chosen on validation by ``dipaco
+    fit-window-router``; without one, the shard router on the last 32 tokens); None does so when the run has
+    exactly one fitted W, 0 never."""
     if max_new_tokens < 1:
         raise DipacoError(f"--max-new-tokens {max_new_tokens} is not valid; ask for at least 1 token")
     if temperature < 0 or not 0 < top_p <= 1:
@@ -87,12 +90,11 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
     options = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
     eos = rr.run.info["eos_token_id"]
     window = rr.window_router(route_every) if route_every else None
-    reroute, span = (window, route_every) if window is not None else (rr.router, rr.router.input.tokens) if route_every else (None, 0)
+    rule, why = _rule(rr, route_every, window)
     models, segments, context, first = {}, [], ids, chosen
     while len(new := context[0, ids.shape[1]:].tolist()) < max_new_tokens and (not new or new[-1] != eos):
-        if segments:  # the tokens just before the next segment choose its path
-            recent = [context[0, -span:].tolist()]
-            chosen = window.route_windows(recent, [first])[0] if window is not None else reroute.route_ids(recent)[0]
+        if segments:  # what came before the next segment chooses its path
+            chosen = _next_path(rr, rule, window, context, first, chosen, segments, models, round)
         if chosen not in models:
             models[chosen] = rr.path_model(chosen, round).model
         n = min(route_every or max_new_tokens, max_new_tokens - len(new))
@@ -100,14 +102,58 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
                                       pad_token_id=eos, eos_token_id=eos, **options)
         segments.append((chosen, out.shape[1] - context.shape[1]))
         context = out
-    used = list(dict.fromkeys(p for p, _ in segments))
+    used = list(dict.fromkeys(models))  # a lagged-loss rule loads (and scores with) every path
     loaded, total = rr.bytes_of(used, round)
+    used = list(dict.fromkeys(p for p, _ in segments))
     how = "the given path" if path is not None else "shard router on the prompt's first tokens"
     if route_every:
-        how += (f", then every {route_every} tokens the window router on the previous {route_every}" if window is not None
-                else f", then every {route_every} tokens the shard router on the previous {span} (no window router for {route_every})")
+        how += f", then every {route_every} tokens {rule.name}: {rule.describe(route_every)} ({why})"
     weights = [(p, sum(n for q, n in segments if q == p) / max(1, len(new))) for p in used]
     return Generation(prompt, rr.decode(new), weights, loaded, total, len(new), segments, how, **cut_info)
+
+
+def _rule(rr: RoutedRun, w: int, window) -> tuple[Rule, str]:
+    """The every-W rule: the one chosen on validation for this run (``policy.json``), else the window router, else the
+    shard router on the last tokens."""
+    from dipaco.eval.perplexity import policy_file
+
+    f = policy_file(rr.run, w) if w else None
+    if f is not None and f.is_file():
+        policy = json.loads(f.read_text(encoding="utf-8"))
+        return rule_of(policy["chosen"]), f"chosen on validation: {policy['reason']}"
+    if window is not None:
+        return Rule("window-router"), "the run's window router (fitted before rules were chosen on validation)"
+    return Rule("shard-router", lookback=rr.router.input.tokens), f"no rule fitted for {w}; fit one with dipaco fit-window-router"
+
+
+@torch.no_grad()
+def _next_path(rr: RoutedRun, rule: Rule, window, context: torch.Tensor, first: str, current: str, segments, models,
+               round) -> str:
+    tokens, paths = context[0].tolist(), rr.run.grid.paths
+    if rule.kind == "stay":
+        return first
+    if rule.kind == "shard-router":
+        return rr.router.route_ids([tokens[-rule.lookback:]])[0]
+    if rule.kind == "window-router":
+        ids = [tokens[-window.input.tokens:]]
+        return decide(rule, [[(0, 1), (len(ids[0]), len(ids[0]) + 1)]], [first], ids, paths, window_router=window)[0][1]
+    # lagged-loss: every path scores the previous chunk(s) of the text (with their context), the rule picks
+    spans = [n for _, n in segments]
+    keep = spans if rule.lookback == 0 else spans[-rule.lookback:]
+    start = len(tokens) - sum(keep)
+    window_ids = context[:, -rr.run.config.model.max_seq_len:]
+    offset = len(tokens) - window_ids.shape[1]
+    nll = []
+    for p in paths:
+        if p not in models:
+            models[p] = rr.path_model(p, round).model
+        logits = models[p](input_ids=window_ids, use_cache=False).logits[0, :-1].float()
+        per_token = torch.nn.functional.cross_entropy(logits, window_ids[0, 1:], reduction="none")
+        nll.append(float(per_token[max(0, start - offset - 1):].sum()))
+    cut = [(0, sum(keep)), (sum(keep), sum(keep) + 1)]
+    chunk_nll = [np.array([nll, [0.0] * len(paths)])]
+    lagged = Rule("lagged-loss", rule.margin, 1)
+    return decide(lagged, [cut], [current], [tokens], paths, chunk_nll=chunk_nll)[0][1]
 
 
 def _generate_mixture(rr: RoutedRun, prompt, ids, max_new_tokens, temperature, top_p, seed, round, k, mix_t) -> Generation:

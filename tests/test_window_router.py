@@ -70,14 +70,27 @@ def test_eval_and_generate_use_the_window_router(fitted):
     rr = load(run, shards)
     assert rr.window_sizes() == [W]
     prompt = json.loads((shards / "heldout" / "docs.jsonl").read_text().splitlines()[0])["text"][:200]
-    g = generate(rr, prompt, max_new_tokens=3 * W, seed=0)  # the run has one window router: it is used
-    assert "window router" in g.router and sum(n for _, n in g.segments) == g.new_tokens
+    g = generate(rr, prompt, max_new_tokens=3 * W, seed=0)  # the run has one fitted W: its rule is used
+    policy = json.loads((run / "window_routers" / f"w{W}" / "policy.json").read_text())
+    assert policy["name"] in g.router and sum(n for _, n in g.segments) == g.new_tokens
     assert len(g.segments) == -(-g.new_tokens // W) and g.segments[0][0] == rr.route([prompt])[0]
     assert abs(sum(w for _, w in g.paths) - 1.0) < 1e-9
     one = generate(rr, prompt, max_new_tokens=3 * W, seed=0, route_every=0)
     assert len(one.segments) == 1 and one.router.startswith("shard router")
     if len({p for p, _ in g.segments}) == 1:  # the same path throughout: the same greedy text
         assert one.text == g.text
+    # every rule runs in generation too: the window router, and the lagged loss (which loads every path)
+    folder = run / "window_routers" / f"w{W}"
+    saved = (folder / "policy.json").read_text()
+    try:
+        for kind, loads_all in (("window-router", False), ("lagged-loss", True)):
+            (folder / "policy.json").write_text(json.dumps({"chosen": {"kind": kind, "margin": 0.0, "lookback": 1},
+                                                            "reason": "a test"}))
+            g = generate(rr, prompt, max_new_tokens=3 * W, seed=0)
+            assert kind in g.router and len(g.segments) == -(-g.new_tokens // W)
+            assert (g.bytes_loaded == g.bytes_total) == loads_all
+    finally:
+        (folder / "policy.json").write_text(saved)
 
 
 @pytest.mark.slow
