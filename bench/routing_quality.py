@@ -41,6 +41,13 @@ VARIANTS = ("prefix", "document")
 
 
 def corpus_inputs(name: str, work: Path, data: Path) -> list[str]:
+    if name == "fresh":  # four domains from files on this machine that dipaco was never tuned on
+        from fresh_corpus import build
+
+        path = work / "corpus.jsonl"
+        if not path.is_file():
+            build(path, 1_500_000)
+        return [str(path)]
     if name == "shared":
         if not data.exists():
             raise SystemExit(f"routing_quality: corpus {data} not found; pass --data or set DIPACO_CORPUS")
@@ -112,42 +119,46 @@ def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
     print(f"[choose] routed validation perplexity: " + ", ".join(f"{v} {p:.2f}" for v, p in val_ppl.items())
           + f" -> cluster_on={chosen}")
 
-    # every-64 with the shard router (before the run has a window router), then with the window router
+    # every-64: the rule fit-window-router chose on the validation documents, scored on the held-out ones
     test = {v: cached_eval(reports / f"heldout-{v}.json", runs={"dipaco": runs[v]}, shards_dir=shards[v],
-                           baseline=runs["dense"], oracle=True, random=True, route_every=[W]) for v in VARIANTS}
+                           baseline=runs["dense"], oracle=True, random=True) for v in VARIANTS}
     window_dir = runs[chosen] / "window_routers" / f"w{W}"
-    if not (window_dir / "router.json").is_file():
-        print(f"[window] fitting the every-{W} router of {runs[chosen]}")
-        fit_window_router(runs[chosen], shards[chosen], W, progress=False)
-    window_info = json.loads((window_dir / "router.json").read_text())
-    val_window = cached_eval(reports / f"val-{chosen}-window.json", runs={"dipaco": runs[chosen]},
-                             shards_dir=shards[chosen], split="val", route_every=[W])
-    test_window = cached_eval(reports / f"heldout-{chosen}-window.json", runs={"dipaco": runs[chosen]},
-                              shards_dir=shards[chosen], route_every=[W])
+    if not (window_dir / "policy.json").is_file():
+        print(f"[window] fitting the every-{W} router of {runs[chosen]} and choosing its rule on validation")
+        rep = fit_window_router(runs[chosen], shards[chosen], W, progress=False, overwrite=window_dir.exists())
+        if rep.get("warning"):
+            print(f"[window] warning: {rep['warning']}")
+    window_info = json.loads((window_dir / "router.json").read_text()) if (window_dir / "router.json").is_file() else {}
+    policy = json.loads((window_dir / "policy.json").read_text())
+    test_window = cached_eval(reports / f"heldout-{chosen}-every{W}.json", runs={"dipaco": runs[chosen]},
+                              shards_dir=shards[chosen], route_every=[W], oracle=True)
 
     m = test[chosen]["methods"]
     routed, oracle, dense = m["dipaco"]["perplexity"], m["dipaco oracle"]["perplexity"], m["dense baseline"]["perplexity"]
-    every_shard = m[f"dipaco every-{W}"]["perplexity"]
-    every_window = test_window["methods"][f"dipaco every-{W}"]["perplexity"]
+    every = test_window["methods"][f"dipaco every-{W}"]
+    window_oracle = test_window["methods"][f"dipaco window-oracle-{W}"]["perplexity"]
     manifest = ShardSet(shards[chosen]).manifest
     figures = {
+        "routed_over_oracle": routed / oracle,
         "routed_vs_oracle_pct": 100 * (routed / oracle - 1),
         "dipaco_vs_dense_pct": 100 * (routed / dense - 1),
-        "every64_window_vs_once_pct": 100 * (every_window / routed - 1),
+        f"every{W}_vs_once_pct": 100 * (every["perplexity"] / routed - 1),
+        f"window_oracle{W}_vs_once_pct": 100 * (window_oracle / routed - 1),
     }
     return {
         "corpus": name, "inputs": inputs, "chosen": chosen, "figures": figures,
         "heldout": {"documents": test[chosen]["documents"], "scored_tokens": m["dipaco"]["tokens"],
                     "routed": routed, "oracle": oracle, "random": m["dipaco random"]["perplexity"], "dense": dense,
-                    f"every{W}_shard_router": every_shard, f"every{W}_window_router": every_window,
+                    f"every{W}": every["perplexity"], f"every{W}_rule": policy["name"], f"window_oracle{W}": window_oracle,
+                    f"every{W}_every_rule": every.get("every_rule_here"),
                     "other_variant_routed": test[[v for v in VARIANTS if v != chosen][0]]["methods"]["dipaco"]["perplexity"],
                     "per_label": {k: v["perplexity"] for k, v in m["dipaco"].get("per_label", {}).items()},
                     "dense_per_label": {k: v["perplexity"] for k, v in m["dense baseline"].get("per_label", {}).items()}},
         "validation": {v: {"routed": val[v]["methods"]["dipaco"]["perplexity"],
                            "oracle": val[v]["methods"]["dipaco oracle"]["perplexity"],
                            "dense": val[v]["methods"]["dense baseline"]["perplexity"], "documents": val[v]["documents"]}
-                       for v in VARIANTS} | {f"{chosen} every{W}_window_router":
-                                             val_window["methods"][f"dipaco every-{W}"]["perplexity"]},
+                       for v in VARIANTS},
+        f"every{W}_policy": policy,
         "window_router": {k: window_info.get(k) for k in ("examples", "test_examples", "accuracy",
                                                            "accuracy_shard_router_previous_tokens", "accuracy_document_path",
                                                            "loss_window_router", "loss_shard_router_previous_tokens",
@@ -162,20 +173,20 @@ def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| corpus | chosen (val) | routed | oracle | routed vs oracle | dense | DiPaCo vs dense | every-64 shard router "
-             "| every-64 window router | every-64 (window) vs once | random |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| corpus | variant (val) | routed once | oracle | once / oracle | dense | DiPaCo vs dense | every-64 rule (val) "
+             "| every-64 | vs once | window oracle-64 | random |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in results:
         h, f = r["heldout"], r["figures"]
-        lines.append(f"| {r['corpus']} | {r['chosen']} | {h['routed']:.2f} | {h['oracle']:.2f} | {f['routed_vs_oracle_pct']:+.1f}% "
-                     f"| {h['dense']:.2f} | {f['dipaco_vs_dense_pct']:+.1f}% | {h[f'every{W}_shard_router']:.2f} "
-                     f"| {h[f'every{W}_window_router']:.2f} | {f['every64_window_vs_once_pct']:+.1f}% | {h['random']:.2f} |")
+        lines.append(f"| {r['corpus']} | {r['chosen']} | {h['routed']:.2f} | {h['oracle']:.2f} | {f['routed_over_oracle']:.3f} "
+                     f"| {h['dense']:.2f} | {f['dipaco_vs_dense_pct']:+.1f}% | {h[f'every{W}_rule']} | {h[f'every{W}']:.2f} "
+                     f"| {f[f'every{W}_vs_once_pct']:+.1f}% | {h[f'window_oracle{W}']:.2f} | {h['random']:.2f} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", nargs="+", default=["shared", "default"], choices=["shared", "default"])
+    p.add_argument("--corpus", nargs="+", default=["shared", "default", "fresh"], choices=["shared", "default", "fresh"])
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared corpus (directory of *.jsonl[.gz])")
     p.add_argument("--out", type=Path, default=Path("bench/out/routing_quality"))
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)

@@ -332,6 +332,10 @@ def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[in
         if oracle:  # the bound every-W routing could reach: the best path for every chunk, scored on the chunk
             best = [[run.grid.paths[int(j)] for j in c.argmin(axis=1)] if len(c) else [] for c in chunk_nll[w]]
             add(f"window-oracle-{w}", segments_of(cuts, best, r), routing=f"best path per {w}-token chunk (oracle)")
+            # every candidate rule on these documents too, for the record (the choice above was made on validation)
+            rows[f"{name} every-{w}"]["every_rule_here"] = choose(
+                candidates(w, router.input.tokens, window is not None), cuts, routes, ids, run.grid.paths, chunk_nll[w],
+                router, window)["validation"]
     if early_stopping:
         picks = early_stopping_rounds(run)
         add("early-stop", once_segments(routes, ids, context, picks), routing="once", round=None, rounds=picks)
