@@ -119,9 +119,8 @@ def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
     print(f"[choose] routed validation perplexity: " + ", ".join(f"{v} {p:.2f}" for v, p in val_ppl.items())
           + f" -> cluster_on={chosen}")
 
-    # every-64: the rule fit-window-router chose on the validation documents, scored on the held-out ones
-    test = {v: cached_eval(reports / f"heldout-{v}.json", runs={"dipaco": runs[v]}, shards_dir=shards[v],
-                           baseline=runs["dense"], oracle=True, random=True) for v in VARIANTS}
+    # every-64: the rule fit-window-router chooses on the validation documents, scored on the held-out ones (one
+    # evaluation of the chosen variant gives every row: its paths score each held-out window once)
     window_dir = runs[chosen] / "window_routers" / f"w{W}"
     if not (window_dir / "policy.json").is_file():
         print(f"[window] fitting the every-{W} router of {runs[chosen]} and choosing its rule on validation")
@@ -130,8 +129,10 @@ def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
             print(f"[window] warning: {rep['warning']}")
     window_info = json.loads((window_dir / "router.json").read_text()) if (window_dir / "router.json").is_file() else {}
     policy = json.loads((window_dir / "policy.json").read_text())
-    test_window = cached_eval(reports / f"heldout-{chosen}-every{W}.json", runs={"dipaco": runs[chosen]},
-                              shards_dir=shards[chosen], route_every=[W], oracle=True)
+    test = {v: cached_eval(reports / f"heldout-{v}-every{W}.json", runs={"dipaco": runs[v]}, shards_dir=shards[v],
+                           baseline=runs["dense"], oracle=True, random=True, route_every=[W]) if v == chosen else
+            cached_eval(reports / f"heldout-{v}-once.json", runs={"dipaco": runs[v]}, shards_dir=shards[v]) for v in VARIANTS}
+    test_window = test[chosen]
 
     m = test[chosen]["methods"]
     routed, oracle, dense = m["dipaco"]["perplexity"], m["dipaco oracle"]["perplexity"], m["dense baseline"]["perplexity"]
