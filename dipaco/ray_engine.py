@@ -117,7 +117,7 @@ def begin_run(cfg, shards, grid, plan, directory: RunDirectory, store: TaskStore
     directory.create(grid, plan, cpus, {"total": count_parameters(modules),
                                         "per_path": count_parameters(modules, grid.path_modules(plan.paths[0]))})
     if store.root.exists():
-        store.forget_before(1 << 60)  # a queue left by an attempt that never finished round 0's checkpoint
+        store.forget_before(1 << 60)  # a new run (or one that never got past round 0): no earlier queue counts
     checkpoint.save_round(directory.root, 0, modules, {}, states, {"trainee_paths": plan.paths, "engine": "ray"})
 
 
