@@ -2,8 +2,8 @@
 
     python bench/routing_quality.py [--corpus shared default] [--out bench/out/routing_quality] [--jobs 2]
 
-For each corpus (the shared five-domain corpus, and the default corpus `dipaco quickstart` builds from
-the machine), with the quickstart's settings (grid 2x2, --balance 1.1, vocabulary 4096, the tiny path,
+For each corpus (the shared five-domain corpus, the default corpus `dipaco quickstart` builds from the machine,
+and a fresh four-domain corpus from other files on the machine, ``bench/fresh_corpus.py``), with the quickstart's settings (grid 2x2, --balance 1.1, vocabulary 4096, the tiny path,
 16 rounds x 50 inner steps, from scratch):
 
   1. shard twice with one seed (so one tokenizer and the same held-out, router and validation documents):
@@ -11,12 +11,13 @@ the machine), with the quickstart's settings (grid 2x2, --balance 1.1, vocabular
      learned back from the prefix (``cluster_on=document``); both route by the first 32 tokens
   2. train DiPaCo 2x2 on each, and one dense model with the same inner steps as one path
   3. choose the variant by routed perplexity on the *validation* documents (never the held-out ones)
-  4. fit the window router for W = 64 on the router documents of the chosen variant
-  5. score the held-out documents: routed once, oracle, random, every-64 with the shard router and with
-     the window router, and the dense model (every row on the same tokens)
+  4. ``dipaco fit-window-router`` for W = 64: the window router on the router documents of the chosen variant,
+     and the every-64 rule chosen on the validation documents (``dipaco.eval.window_policy``)
+  5. score the held-out documents: routed once, oracle, random, every-64 with the chosen rule (and, for the
+     record, every other rule), the window oracle, and the dense model (every row on the same tokens)
 
-It prints the three figures of issue #11 per corpus (routed vs oracle, DiPaCo vs dense, every-64 vs
-once) and writes everything to OUT/routing_quality.json and bench/routing_quality_results.json. Re-running resumes: finished shards, runs and
+It prints per corpus: routed once / oracle, DiPaCo vs dense, the every-64 rule and every-64 vs once, the window
+oracle and writes everything to OUT/routing_quality.json and bench/routing_quality_results.json. Re-running resumes: finished shards, runs and
 reports are reused. Training runs as `--jobs` processes at a time, one thread each.
 """
 
@@ -187,7 +188,8 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", nargs="+", default=["shared", "default", "fresh"], choices=["shared", "default", "fresh"])
+    p.add_argument("--corpus", nargs="+", default=["shared", "default", "fresh"], choices=["shared", "default", "fresh"],
+                   help="run several invocations with one corpus each to use more cores (each has its own folder)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared corpus (directory of *.jsonl[.gz])")
     p.add_argument("--out", type=Path, default=Path("bench/out/routing_quality"))
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
