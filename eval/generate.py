@@ -113,13 +113,15 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
 
 
 def _rule(rr: RoutedRun, w: int, window) -> tuple[Rule, str]:
-    """The every-W rule: the one chosen on validation for this run (``policy.json``), else the window router, else the
-    shard router on the last tokens."""
+    """The every-W rule: the best rule that runs one path, chosen on validation for this run (``policy.json``; a
+    policy from before that choice existed: its rule), else the window router, else the shard router on the last
+    tokens."""
     from dipaco.eval.perplexity import policy_file
 
     f = policy_file(rr.run, w) if w else None
     if f is not None and f.is_file():
         policy = json.loads(f.read_text(encoding="utf-8"))
+        policy = policy.get("one_path") or policy
         return rule_of(policy["chosen"]), f"chosen on validation: {policy['reason']}"
     if window is not None:
         return Rule("window-router"), "the run's window router (fitted before rules were chosen on validation)"

@@ -329,6 +329,12 @@ def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[in
         add(f"every-{w}", segments_of(cuts, choice, r), routing=f"every {w} tokens, {rule.name}: {rule.describe(w)}; "
             f"chosen on the validation documents ({policy['reason']})", policy=policy,
             window_router=str(window_router_dir(run, w)) if window else None)
+        single = policy.get("one_path")
+        if single and single["name"] != policy["name"]:  # what serving one path at a time gets
+            one = rule_of(single["chosen"])
+            add(f"every-{w} one-path", segments_of(cuts, decide(one, cuts, routes, ids, run.grid.paths, router, window), r),
+                routing=f"every {w} tokens, {one.name}: {one.describe(w)}; the best rule that runs one path, chosen on "
+                        f"the validation documents ({single['reason']})", policy=single)
         if oracle:  # the bound every-W routing could reach: the best path for every chunk, scored on the chunk
             best = [[run.grid.paths[int(j)] for j in c.argmin(axis=1)] if len(c) else [] for c in chunk_nll[w]]
             add(f"window-oracle-{w}", segments_of(cuts, best, r), routing=f"best path per {w}-token chunk (oracle)")

@@ -16,8 +16,10 @@ chunk k >= 1 takes the path a *rule* picks from what came before it:
 
 ``choose`` scores every path on every chunk of the validation documents once, adds up each rule's chunks (a chunk's
 loss does not depend on the other chunks' paths: every token keeps its preceding context) and picks the lowest;
-``stay`` wins ties, and wins outright when the validation documents give too few chunks to tell rules apart. The
-window oracle (the best path per chunk, scored on the chunk) bounds every rule.
+``stay`` wins ties, and wins outright when the validation documents give too few chunks to tell rules apart. It
+also picks the best of the rules that run a single path per chunk (``one_path``: all but lagged-loss), for serving
+one path at a time (``dipaco generate``). The window oracle (the best path per chunk, scored on the chunk) bounds
+every rule.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class Rule:
                 "lagged-loss": f"the path with the lowest loss on the {'text so far' if not self.lookback else f'previous {self.lookback} chunk(s)'}"
                                f", switching when it beats the current path by more than {self.margin:g} nats/token "
                                f"(scores every path)"}[self.kind]
+
+    @property
+    def one_path(self) -> bool:
+        """It runs one path per chunk, as routing once does (lagged-loss scores every path)."""
+        return self.kind != "lagged-loss"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -134,6 +141,14 @@ def choose(rules: list[Rule], cuts, first, ids, paths, chunk_nll, router=None, w
     for rule in rules:
         scores[rule.name] = total_nll(decide(rule, cuts, first, ids, paths, router, window_router, chunk_nll), chunk_nll, paths)
     oracle = float(sum(c.min(axis=1).sum() for c in chunk_nll if len(c)))
+    best = _pick(rules, scores, later, tokens, oracle)
+    one_path = _pick([r for r in rules if r.one_path], scores, later, tokens, oracle)
+    return {**best, "chunks": later, "tokens": tokens, "validation": {n: _ppl(s, tokens) for n, s in scores.items()},
+            "window_oracle": _ppl(oracle, tokens), "one_path": one_path}
+
+
+def _pick(rules: list[Rule], scores: dict[str, float], later: int, tokens: int, oracle: float) -> dict:
+    """The rule with the lowest total NLL (``stay`` on ties, and when there are too few chunks to trust another)."""
     by_name = {rule.name: rule for rule in rules}
     best = min(rules, key=lambda rule: (scores[rule.name], rule.kind != "stay"))
     if later < MIN_CHUNKS and best.kind != "stay":
@@ -145,8 +160,7 @@ def choose(rules: list[Rule], cuts, first, ids, paths, chunk_nll, router=None, w
     else:
         reason = (f"lowest validation perplexity on {later} chunks: {_ppl(scores[best.name], tokens):.3f} vs "
                   f"{_ppl(scores['stay'], tokens):.3f} routing once (window oracle {_ppl(oracle, tokens):.3f})")
-    return {"chosen": best.to_dict(), "name": best.name, "reason": reason, "chunks": later, "tokens": tokens,
-            "validation": {name: _ppl(s, tokens) for name, s in scores.items()}, "window_oracle": _ppl(oracle, tokens)}
+    return {"chosen": best.to_dict(), "name": best.name, "reason": reason}
 
 
 def rule_of(d: dict) -> Rule:

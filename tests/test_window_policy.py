@@ -70,6 +70,7 @@ def test_the_window_oracle_bounds_every_rule_and_the_best_is_chosen():
     assert all(out["window_oracle"] <= v + 1e-12 for v in out["validation"].values())
     assert out["name"] == min(out["validation"], key=out["validation"].get) and out["chosen"]["kind"] == "lagged-loss"
     assert out["validation"][out["name"]] < out["validation"]["stay"]
+    assert out["one_path"]["name"] == "stay"  # the only rule here that runs one path per chunk
 
 
 def test_too_few_validation_chunks_keep_routing_once():
