@@ -28,6 +28,7 @@ import numpy as np
 from dipaco.command_config import WindowRouterConfig as W  # the defaults, declared once
 from dipaco.errors import DipacoError
 from dipaco.eval.perplexity import Scorer, check_compatible, choose_on_validation, shard_router, window_router_dir
+from dipaco.eval.window_policy import all_chunk_nll, chunk_cuts
 from dipaco.io import write_json
 from dipaco.outputs import atomic_dir
 from dipaco.routing.discriminative import fit_discriminative, fit_window
@@ -42,8 +43,7 @@ MIN_WINDOWS = 200  # fewer router windows than max(this, 25 per path): no window
 def window_examples(ids: list[list[int]], context: int, w: int) -> list[tuple[int, int, int]]:
     """(document, chunk start, chunk end) of every chunk k >= 1 of every-W routing: those a window router
     chooses for (chunk 0 follows the document's routed path)."""
-    lo0 = max(1, context)
-    return [(d, lo, min(lo + w, len(x))) for d, x in enumerate(ids) for lo in range(lo0 + w, len(x), w)]
+    return [(d, lo, hi) for d, cs in enumerate(chunk_cuts(ids, context, w)) for lo, hi in cs[1:]]
 
 
 def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, at_round: int | None = None,
@@ -87,11 +87,9 @@ def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, 
         return {"window": window, "round": r, "examples": len(examples), "router_documents": len(ids), "accuracy": None,
                 "warning": warning, "policy": policy, "seconds": round(time.perf_counter() - began, 2), "out": str(out)}
 
-    # per-token losses of every router document under every path, as eval computes them
-    scorer = Scorer(run, ids, run.config.eval.batch_size, progress)
-    lo0 = max(1, context)
-    scorer.ensure([[(lo0, len(x), [(p, r, 1.0)]) for p in paths] for x in ids])
-    losses = np.array([[scorer.nll(p, r, d, lo, hi).sum(dtype=np.float64) for p in paths] for d, lo, hi in examples])
+    # every path's loss on every chunk after the first of every router document, as eval computes it
+    chunk_nll = all_chunk_nll(Scorer(run, ids, run.config.eval.batch_size, progress), paths, r, chunk_cuts(ids, context, window))
+    losses = np.concatenate([c[1:] for c in chunk_nll])  # in the order of ``examples``
     labels = losses.argmin(axis=1)
     windows = [ids[d][lo - window:lo] for d, lo, _ in examples]
     prefix = router.input.with_tokens(window)
