@@ -322,27 +322,28 @@ class TaskQueue:
         return out
 
     def log_round(self, v: int, val: dict[str, float]) -> None:
-        phases, losses = [], []
+        phases, by_trainee = [], []  # a dropped phase has no loss
         for i in range(self.T):
             tries = self.store.attempts(v - 1, i)
             if (i, v - 1) in self.dropped:
                 phases.append({"trainee": i, "path": self.plan.paths[i], "dropped": True, "attempts": len(tries),
                                "nodes": sorted({a["node"] for a in tries})})
+                by_trainee.append(None)
                 continue
             info = self.store.phase_info(v - 1, i)
             for rec in info["inner"]:
                 log(self.metrics, **rec)
-            losses.append(info["train_loss"])
+            by_trainee.append(info["train_loss"])
             self.counts["retried"] += len(tries) > 1
             phases.append({k: info[k] for k in ("trainee", "path", "node", "host", "pid", "load_s", "val_s", "compute_s",
                                                 "save_s", "bytes_sent", "bytes_loaded")} | {"attempts": len(tries)})
+        losses = [x for x in by_trainee if x is not None]
         steps = [self.store.step_info(v, g) for g in self.groups]
         tokens = len(losses) * self.H * self.cfg.inner.batch_size * self.cfg.model.max_seq_len
         # from the previous round's last outer step to this one's (phases of both rounds may overlap in between)
         seconds = self.finished_at[v] - self.finished_at.get(v - 1, self.finished_at[self.start])
         log(self.metrics, kind="round", round=v, engine="ray", train_loss=sum(losses) / len(losses) if losses else None,
-            train_loss_by_trainee=[None if p.get("dropped") else self.store.phase_info(v - 1, p["trainee"])["train_loss"]
-                                   for p in phases],
+            train_loss_by_trainee=by_trainee,
             val_loss=val, val_loss_mean=(sum(val.values()) / len(val)) if val else None, seconds=seconds, tokens=tokens,
             tokens_per_s=tokens / seconds if seconds > 0 else None, workers=int(ray.cluster_resources().get("CPU", 0)),
             bytes_sent=sum(p.get("bytes_sent", 0) for p in phases), bytes_received=sum(s["bytes_received"] for s in steps),

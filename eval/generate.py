@@ -102,8 +102,7 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
                                       pad_token_id=eos, eos_token_id=eos, **options)
         segments.append((chosen, out.shape[1] - context.shape[1]))
         context = out
-    used = list(dict.fromkeys(models))  # a lagged-loss rule loads (and scores with) every path
-    loaded, total = rr.bytes_of(used, round)
+    loaded, total = rr.bytes_of(list(models), round)  # a lagged-loss rule loads (and scores with) every path
     used = list(dict.fromkeys(p for p, _ in segments))
     how = "the given path" if path is not None else "shard router on the prompt's first tokens"
     if route_every:
