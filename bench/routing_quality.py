@@ -3,22 +3,26 @@
     python bench/routing_quality.py [--corpus shared default] [--out bench/out/routing_quality] [--jobs 2]
 
 For each corpus (the shared five-domain corpus, the default corpus `dipaco quickstart` builds from the machine,
-and a fresh four-domain corpus from other files on the machine, ``bench/fresh_corpus.py``), with the quickstart's settings (grid 2x2, --balance 1.1, vocabulary 4096, the tiny path,
-16 rounds x 50 inner steps, from scratch):
+and a fresh four-domain corpus from other files on the machine, ``bench/fresh_corpus.py``), with the quickstart's
+settings (grid 2x2, --balance 1.1, vocabulary 4096, the tiny path, 16 rounds x 50 inner steps, from scratch):
 
   1. shard twice with one seed (so one tokenizer and the same held-out, router and validation documents):
      k-means on the routing prefix (``cluster_on=prefix``), and k-means on whole-document features
      learned back from the prefix (``cluster_on=document``); both route by the first 32 tokens
   2. train DiPaCo 2x2 on each, and one dense model with the same inner steps as one path
-  3. choose the variant by routed perplexity on the *validation* documents (never the held-out ones)
-  4. ``dipaco fit-window-router`` for W = 64: the window router on the router documents of the chosen variant,
-     and the every-64 rule chosen on the validation documents (``dipaco.eval.window_policy``)
-  5. score the held-out documents: routed once, oracle, random, every-64 with the chosen rule (and, for the
-     record, every other rule), the window oracle, and the dense model (every row on the same tokens)
+  3. choose the variant by routed perplexity on the *validation* documents (never the held-out ones); each
+     variant routes once by the rule its router documents choose (``dipaco.eval.once_policy``)
+  4. ``dipaco choose-routing`` (the once rule, saved) and ``dipaco fit-window-router`` for W = 64 on the chosen
+     variant: the window router on the router documents, the every-64 rule chosen on the validation documents
+  5. score the held-out documents: routed once (the chosen rule), the shard router alone, oracle, random, every-64
+     with the chosen rule (and, for the record, every other rule), the window oracle, and the dense model (every
+     row on the same tokens)
 
-It prints per corpus: routed once / oracle, DiPaCo vs dense, the every-64 rule and every-64 vs once, the window
-oracle and writes everything to OUT/routing_quality.json and bench/routing_quality_results.json. Re-running resumes: finished shards, runs and
-reports are reused. Training runs as `--jobs` processes at a time, one thread each.
+It prints per corpus: the once rule, routed once / oracle (and the shard router's), DiPaCo vs dense, the every-64
+rule and every-64 vs once, the window oracle, and writes everything to OUT/routing_quality.json and
+bench/routing_quality_results.json. Re-running resumes: finished shards, runs and reports are reused (delete
+OUT/<corpus>/reports and the runs' routing/ and window_routers/ folders to choose and score again). Training runs
+as `--jobs` processes at a time, one thread each.
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ def cached_eval(out: Path, **kwargs) -> dict:
 
 
 def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
+    from dipaco.eval.perplexity import save_once_policy
     from dipaco.eval.window_router import fit_window_router
     from dipaco.shards import ShardSet
 
@@ -122,6 +127,13 @@ def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
 
     # every-64: the rule fit-window-router chooses on the validation documents, scored on the held-out ones (one
     # evaluation of the chosen variant gives every row: its paths score each held-out window once)
+    # routing once: the rule chosen on the router documents (dipaco choose-routing), saved before the every-W rule
+    # is chosen, so that chunk 0 and "stay" follow it
+    once_file = runs[chosen] / "routing" / "once.json"
+    if not once_file.is_file():
+        once = save_once_policy(runs[chosen], shards[chosen], progress=False)
+        print(f"[once] routing once uses {once['name']}: {once['reason']}")
+    once = json.loads(once_file.read_text())
     window_dir = runs[chosen] / "window_routers" / f"w{W}"
     if not (window_dir / "policy.json").is_file():
         print(f"[window] fitting the every-{W} router of {runs[chosen]} and choosing its rule on validation")
@@ -140,8 +152,10 @@ def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
     every = test_window["methods"][f"dipaco every-{W}"]
     window_oracle = test_window["methods"][f"dipaco window-oracle-{W}"]["perplexity"]
     manifest = ShardSet(shards[chosen]).manifest
+    shard_routed = m["dipaco shard-router"]["perplexity"] if "dipaco shard-router" in m else routed
     figures = {
         "routed_over_oracle": routed / oracle,
+        "shard_router_over_oracle": shard_routed / oracle,
         "routed_vs_oracle_pct": 100 * (routed / oracle - 1),
         "dipaco_vs_dense_pct": 100 * (routed / dense - 1),
         f"every{W}_vs_once_pct": 100 * (every["perplexity"] / routed - 1),
@@ -150,7 +164,7 @@ def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
     return {
         "corpus": name, "inputs": inputs, "chosen": chosen, "figures": figures,
         "heldout": {"documents": test[chosen]["documents"], "scored_tokens": m["dipaco"]["tokens"],
-                    "routed": routed, "oracle": oracle, "random": m["dipaco random"]["perplexity"], "dense": dense,
+                    "routed": routed, "once_rule": once["name"], "shard_router": shard_routed, "oracle": oracle, "random": m["dipaco random"]["perplexity"], "dense": dense,
                     f"every{W}": every["perplexity"], f"every{W}_rule": policy["name"], f"window_oracle{W}": window_oracle,
                     f"every{W}_every_rule": every.get("every_rule_here"),
                     "other_variant_routed": test[[v for v in VARIANTS if v != chosen][0]]["methods"]["dipaco"]["perplexity"],
@@ -160,6 +174,7 @@ def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
                            "oracle": val[v]["methods"]["dipaco oracle"]["perplexity"],
                            "dense": val[v]["methods"]["dense baseline"]["perplexity"], "documents": val[v]["documents"]}
                        for v in VARIANTS},
+        "once_policy": once,
         f"every{W}_policy": policy,
         "window_router": {k: window_info.get(k) for k in ("examples", "test_examples", "accuracy",
                                                            "accuracy_shard_router_previous_tokens", "accuracy_document_path",
@@ -175,12 +190,14 @@ def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| corpus | variant (val) | routed once | oracle | once / oracle | dense | DiPaCo vs dense | every-64 rule (val) "
-             "| every-64 | vs once | window oracle-64 | random |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| corpus | variant (val) | once rule (router docs) | routed once | shard router | oracle | once / oracle "
+             "| shard router / oracle | dense | DiPaCo vs dense | every-64 rule (val) | every-64 | vs once | window oracle-64 "
+             "| random |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in results:
         h, f = r["heldout"], r["figures"]
-        lines.append(f"| {r['corpus']} | {r['chosen']} | {h['routed']:.2f} | {h['oracle']:.2f} | {f['routed_over_oracle']:.3f} "
+        lines.append(f"| {r['corpus']} | {r['chosen']} | {h['once_rule']} | {h['routed']:.2f} | {h['shard_router']:.2f} "
+                     f"| {h['oracle']:.2f} | {f['routed_over_oracle']:.3f} | {f['shard_router_over_oracle']:.3f} "
                      f"| {h['dense']:.2f} | {f['dipaco_vs_dense_pct']:+.1f}% | {h[f'every{W}_rule']} | {h[f'every{W}']:.2f} "
                      f"| {f[f'every{W}_vs_once_pct']:+.1f}% | {h[f'window_oracle{W}']:.2f} | {h['random']:.2f} |")
     return "\n".join(lines)

@@ -257,6 +257,18 @@ def cmd_fit_window_router(args) -> None:
           + ", ".join(f"{k} {v:.3f}" for k, v in sorted(policy["validation"].items(), key=lambda kv: kv[1])))
 
 
+def cmd_choose_routing(args) -> None:
+    from dipaco.eval.perplexity import save_once_policy
+
+    check_writable(Path(args.run) / "routing", "--run")
+    policy = save_once_policy(args.run, args.shards, args.round, args.overwrite, progress=not args.quiet)
+    print(f"wrote {policy['out']}: routing once uses {policy['name']}: {policy['reason']}")
+    if policy.get("router_documents"):
+        print("perplexity on the router documents: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in sorted(policy["router_documents"].items(), key=lambda kv: kv[1]))
+            + f" (document oracle {policy['oracle']:.3f})")
+
+
 def cmd_export(args) -> None:
     from dipaco.eval.api import load
 
@@ -325,6 +337,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, required=True, metavar="W", help="tokens per window, e.g. 64")
     p.add_argument("--overwrite", action="store_true", help="replace the run's window router for W")
     _config_args(p, CC.WindowRouterConfig, cmd_fit_window_router, example="max_tokens=2048")
+
+    p = sub.add_parser("choose-routing", help="choose how documents are routed once, on the router documents")
+    p.add_argument("--run", required=True, help="run directory (the choice is saved in RUN/routing/once.json)")
+    p.add_argument("--shards", required=True, help="the shard directory the run was trained on")
+    p.add_argument("--round", type=int, help="score with this checkpoint round (default latest)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run's saved choice")
+    p.set_defaults(func=cmd_choose_routing)
 
     p = sub.add_parser("export", help="write one path as a plain Hugging Face model directory")
     p.add_argument("--run", required=True, help="run directory")

@@ -33,6 +33,8 @@ OWN_MARKERS = {
     "run": ("run.json", lambda m: "shards_fingerprint" in m, "dipaco run directory"),
     "export": ("dipaco_export.json", lambda m: "dipaco_version" in m, "dipaco export"),
     "router": ("router.json", lambda m: "kind" in m, "dipaco router"),
+    "once policy": ("once.json", lambda m: "chosen" in m and "reason" in m, "dipaco routing choice"),
+    "window policy": ("policy.json", lambda m: "chosen" in m and "reason" in m, "dipaco every-W routing choice"),
     "quickstart": (QUICKSTART_MARKER, lambda m: m.get("format") == "dipaco-quickstart", "dipaco quickstart directory"),
 }
 

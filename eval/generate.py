@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from dipaco.eval.once_policy import decide_once, once_rule_of, router_log_prior
+from dipaco.eval.perplexity import check_mixture, mixture_weights
+from dipaco.eval.window_policy import Rule, decide, rule_of
 
 from dipaco.command_config import GenerateConfig as G  # the defaults, declared once
 from dipaco.errors import DipacoError
-from dipaco.eval.perplexity import check_mixture, mixture_weights
-from dipaco.eval.window_policy import Rule, decide, rule_of
 
 if TYPE_CHECKING:  # only for annotations: RoutedRun.generate calls generate()
     from dipaco.eval.api import RoutedRun
@@ -61,7 +62,8 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
              path: str | None = None, route_every: int | None = None) -> Generation:
     """Greedy when ``temperature`` is 0, else sampling with ``temperature`` and ``top_p`` (seeded).
 
-    The prompt is routed like a document (the shard router on its first tokens). ``route_every`` W > 0
+    The prompt is routed like a document: by the run's once rule (``dipaco choose-routing``; without one, the shard
+    router on its first tokens). ``route_every`` W > 0
     re-routes after every W new tokens with the run's every-W rule (chosen on validation by ``dipaco
     fit-window-router``; without one, the shard router on the last 32 tokens); None does so when the run has
     exactly one fitted W, 0 never."""
@@ -77,7 +79,7 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
         g = _generate_mixture(rr, prompt, ids, max_new_tokens, temperature, top_p, seed, round, mixture,
                               mixture_temperature)
         return replace(g, **cut_info)
-    chosen = path if path is not None else rr.route([prompt])[0]
+    chosen, how, scored = (path, "the given path", []) if path is not None else _route_once(rr, prompt, round)
     if route_every is None:
         sizes = rr.window_sizes()
         route_every = sizes[0] if len(sizes) == 1 else 0
@@ -102,13 +104,41 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
                                       pad_token_id=eos, eos_token_id=eos, **options)
         segments.append((chosen, out.shape[1] - context.shape[1]))
         context = out
-    loaded, total = rr.bytes_of(list(models), round)  # a lagged-loss rule loads (and scores with) every path
+    # a prefix-loss or lagged-loss rule reads (and scores with) every path
+    loaded, total = rr.bytes_of(list(dict.fromkeys(scored + list(models))), round)
     used = list(dict.fromkeys(p for p, _ in segments))
-    how = "the given path" if path is not None else "shard router on the prompt's first tokens"
     if route_every:
         how += f", then every {route_every} tokens {rule.name}: {rule.describe(route_every)} ({why})"
     weights = [(p, sum(n for q, n in segments if q == p) / max(1, len(new))) for p in used]
     return Generation(prompt, rr.decode(new), weights, loaded, total, len(new), segments, how, **cut_info)
+
+
+@torch.no_grad()
+def _route_once(rr: RoutedRun, prompt: str, round) -> tuple[str, str, list[str]]:
+    """The prompt's path under the run's once rule (``dipaco choose-routing``: RUN/routing/once.json; without one, the
+    shard router), how it was chosen, and the paths read to choose it. A prefix-loss rule scores the prompt's first
+    ``eval.context_tokens`` tokens with every path, one model at a time, as eval scores a document's routing context."""
+    from dipaco.eval.perplexity import once_policy_file
+
+    shard_path = rr.route([prompt])[0]
+    f = once_policy_file(rr.run)
+    if rr.run.is_dense or not f.is_file():
+        return shard_path, "shard router on the prompt's first tokens", []
+    policy = json.loads(f.read_text(encoding="utf-8"))
+    rule = once_rule_of(policy["chosen"])
+    context = rr.run.config.eval.context_tokens
+    tokens = rr.encode(prompt)[:context]
+    if rule.kind == "shard-router" or len(tokens) < 2:
+        why = "chosen on the router documents" if rule.kind == "shard-router" else f"{rule.name} needs 2 prompt tokens"
+        return shard_path, f"shard router on the prompt's first tokens ({why})", []
+    ids, paths = torch.tensor([tokens]), rr.run.grid.paths
+    nll = []
+    for p in paths:  # one model at a time: the memory of one path
+        logits = rr.path_model(p, round).model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        nll.append(float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")))
+    prior = router_log_prior(rr.router, rr.router.distances_of_ids([tokens]))
+    chosen = decide_once(rule, paths, [shard_path], np.array([nll]), prior)[0]
+    return chosen, f"once, {rule.name}: {rule.describe(context)} ({policy['reason']})", paths
 
 
 def _rule(rr: RoutedRun, w: int, window) -> tuple[Rule, str]:

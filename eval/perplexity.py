@@ -10,8 +10,11 @@ that runs each (path, round, document window) through the model at most once, so
 every-W and mixture rows reuse the forward passes of the routed row.
 
 Methods:
-  routed        route once per document by the shard router on its decoded first tokens (the same
-                function that sharded it; dense runs: their single path)
+  routed        route once per document by the rule chosen on the router documents
+                (``dipaco.eval.once_policy``): the shard router on its decoded first tokens (the same
+                function that sharded it), or the path under which those tokens have the lowest loss
+                (optionally with the shard router as a prior); dense runs: their single path
+  shard-router  the shard router alone, when another rule was chosen (the paper's routing once)
   every-W       chunk 0 (W targets) takes the document's routed path; chunk k >= 1 the path a rule picks
                 from what came before it (``dipaco.eval.window_policy``): the rule chosen on the
                 validation documents (by ``dipaco fit-window-router``, or here for a run without one);
@@ -31,17 +34,34 @@ import math
 from pathlib import Path
 
 import numpy as np
+from dipaco.eval.once_policy import (
+    choose_once,
+    decide_once,
+    once_candidates,
+    once_rule_of,
+    prefix_nll,
+    router_log_prior,
+)
+from dipaco.eval.window_policy import (
+    all_chunk_nll,
+    candidates,
+    choose,
+    chunk_cuts,
+    decide,
+    rule_of,
+)
+from dipaco.routing import Router
+from dipaco.routing.router import BaseRouter
+from dipaco.sharding.tokenizer import encode
 from tqdm.auto import tqdm
 
 from dipaco.command_config import EvalCommandConfig as E  # the defaults, declared once
 from dipaco.errors import DipacoError
-from dipaco.eval.window_policy import all_chunk_nll, candidates, choose, chunk_cuts, decide, rule_of
-from dipaco.routing import Router
-from dipaco.routing.router import BaseRouter
+from dipaco.io import write_json
+from dipaco.outputs import atomic_dir
 from dipaco.run import Run
 from dipaco.scoring import window_nll, windows_for
-from dipaco.shards import ShardSet
-from dipaco.sharding.tokenizer import encode
+from dipaco.shards import ShardSet, read_docs
 
 Segment = tuple[int, int, list[tuple[str, int, float]]]
 
@@ -97,6 +117,77 @@ def route_documents(run: Run, router: BaseRouter | None, ids: list[list[int]]) -
     if run.is_dense:
         return [run.grid.paths[0]] * len(ids)
     return router.route_ids(ids)
+
+
+def once_policy_file(run: Run) -> Path:
+    return run.root / "routing" / "once.json"
+
+
+def router_tokens(shards: ShardSet, max_tokens: int) -> list[list[int]]:
+    """The router documents' tokens (kept out of training and of the router's fit); none when the shards keep none."""
+    docs = read_docs(shards.root, "router_docs")
+    return [t[:max_tokens] for t in encode(shards.tokenizer(), [d["text"] for d in docs])] if docs else []
+
+
+def once_policy(run: Run, shards: ShardSet, r: int, progress: bool = True) -> dict:
+    """The rule of routing once for this run: the one ``dipaco choose-routing`` saved (``RUN/routing/once.json``), or
+    the one the router documents choose now."""
+    f = once_policy_file(run)
+    if f.is_file():
+        return json.loads(f.read_text(encoding="utf-8")) | {"source": str(f)}
+    return choose_once_on_router_docs(run, shards, r, progress) | {"source": "chosen now on the router documents"}
+
+
+def choose_once_on_router_docs(run: Run, shards: ShardSet, r: int, progress: bool = True) -> dict:
+    """Every once rule scored on the router documents (every path on every document, once); the best."""
+    context = run.config.eval.context_tokens
+    router = shard_router(shards, context)
+    ids = [x for x in router_tokens(shards, run.config.eval.max_tokens_per_doc) if len(x) > max(1, context)]
+    if not ids:
+        return {"chosen": {"kind": "shard-router"}, "name": "shard-router", "documents": 0, "round": r,
+                "reason": f"{shards.root} keeps no router documents to choose on (re-shard with data.router_fraction > 0)"}
+    scorer = Scorer(run, ids, run.config.eval.batch_size, progress)
+    lo, paths = max(1, context), run.grid.paths
+    scorer.ensure([[(lo, len(x), [(p, r, 1.0)]) for p in paths] for x in ids])
+    body = np.array([[scorer.nll(p, r, d, lo, len(x)).sum(dtype=np.float64) for p in paths]
+                     for d, x in enumerate(ids)]).reshape(len(ids), len(paths))
+    dist = router.distances_of_ids(ids)
+    out = choose_once(once_candidates(router), paths, router.route_ids(ids), body,
+                      prefix_nll(scorer, paths, r, ids, context), router_log_prior(router, dist),
+                      sum(len(x) - lo for x in ids))
+    return out | {"round": r, "split": "router_docs"}
+
+
+def save_once_policy(run_dir: str | Path, shards_dir: str | Path, at_round: int | None = None, overwrite: bool = False,
+                     progress: bool = True) -> dict:
+    """``dipaco choose-routing``: choose the once rule on the router documents and save it as RUN/routing/once.json,
+    which eval, every-W routing and generate then follow."""
+    run, shards = Run(run_dir), ShardSet(shards_dir)
+    check_compatible(run, shards)
+    if run.is_dense:
+        raise DipacoError(f"run {run.root} is dense (one path); routing chooses between paths")
+    out = once_policy_file(run).parent
+    if out.exists() and not overwrite:
+        raise DipacoError(f"{out} already exists; pass --overwrite to choose again")
+    r = run.latest() if at_round is None else at_round
+    if r not in run.rounds:
+        raise DipacoError(f"run {run.root} has no round {r}; available: {run.rounds}")
+    policy = choose_once_on_router_docs(run, shards, r, progress)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        write_json(tmp / once_policy_file(run).name, policy)
+    return policy | {"out": str(once_policy_file(run))}
+
+
+def route_once(run: Run, router: BaseRouter | None, scorer: Scorer, ids: list[list[int]], r: int,
+               policy: dict | None) -> list[str]:
+    """Every document's path under the run's once rule (a dense run: its single path)."""
+    shard_routes = route_documents(run, router, ids)
+    rule = once_rule_of(policy["chosen"]) if policy else None
+    if rule is None or rule.kind == "shard-router":
+        return shard_routes
+    context = run.config.eval.context_tokens
+    return decide_once(rule, run.grid.paths, shard_routes, prefix_nll(scorer, run.grid.paths, r, ids, context),
+                       router_log_prior(router, router.distances_of_ids(ids)))
 
 
 def window_router_dir(run: Run, w: int) -> Path:
@@ -228,7 +319,8 @@ def choose_on_validation(run: Run, shards: ShardSet, w: int, r: int, window_rout
     scorer = Scorer(run, ids, run.config.eval.batch_size, progress)
     chunk_nll = all_chunk_nll(scorer, run.grid.paths, r, cuts)
     rules = candidates(w, router.input.tokens, window_router is not None)
-    out = choose(rules, cuts, router.route_ids(ids), ids, run.grid.paths, chunk_nll, router, window_router)
+    routes = route_once(run, router, scorer, ids, r, once_policy(run, shards, r, progress))  # chunk 0, and "stay"
+    out = choose(rules, cuts, routes, ids, run.grid.paths, chunk_nll, router, window_router)
     return out | {"window": w, "round": r, "split": "val", "documents": len(ids)}
 
 
@@ -312,12 +404,19 @@ def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[in
             per_path.setdefault(p, [0.0, 0, 0])
         rows[name if method == "routed" else f"{name} {method}"] = summarise(per_doc, per_path, labels) | base | extra
 
-    router = None if run.is_dense else shard_router(shards, context)
-    routes = route_documents(run, router, ids)
-    add("routed", once_segments(routes, ids, context, r), routing="the single path of a dense run" if router is None
-        else f"once, shard router on the first {router.input.tokens} tokens")
     if run.is_dense:
+        add("routed", once_segments(route_documents(run, None, ids), ids, context, r), routing="the single path of a dense run")
         return rows
+    router = shard_router(shards, context)
+    policy = once_policy(run, shards, r, progress)
+    once = once_rule_of(policy["chosen"])
+    routes = route_once(run, router, scorer, ids, r, policy)
+    add("routed", once_segments(routes, ids, context, r), once_policy=policy,
+        routing=f"once, {once.name}: {once.describe(router.input.tokens if once.one_path else context)}; chosen on the "
+                f"router documents ({policy['reason']})")
+    if once.kind != "shard-router":  # the paper's routing once, for comparison
+        add("shard-router", once_segments(route_documents(run, router, ids), ids, context, r),
+            routing=f"once, shard router on the first {router.input.tokens} tokens")
     chunk_nll: dict[int, list[np.ndarray]] = {}
     for w in route_every:
         window = load_window_router(run, shards, w)

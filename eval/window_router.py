@@ -2,9 +2,9 @@
 
 DiPaCo re-routes every W tokens with a router trained for that job: chunk i picks the path of chunk
 i+1. Here the router is a multinomial logistic regression on the shard router's features of the
-previous W tokens (decoded) and the document's path (one-hot: the path the shard router gave the
-document, which chunk 0 uses), labelled with the path whose loss on the next W tokens is lowest, fitted
-on the held-aside router documents of the shards (never trained on, never the held-out documents).
+previous W tokens (decoded) and the document's path (one-hot: the path the run's once rule gave the
+document, which chunk 0 uses; ``dipaco.eval.once_policy``), labelled with the path whose loss on the next W tokens
+is lowest, fitted on the held-aside router documents of the shards (never trained on, never the held-out documents).
 Why the document's path: on the shared corpus (quickstart protocol, 5,123 windows of 64 tokens, five
 document-level splits) a router on the window alone chose paths with a higher mean loss than staying on
 the document's path (5.047 vs 5.027 nats), while with the document's path as an input it chose lower
@@ -24,18 +24,25 @@ import time
 from pathlib import Path
 
 import numpy as np
+from dipaco.eval.perplexity import (
+    Scorer,
+    check_compatible,
+    choose_on_validation,
+    once_policy,
+    route_once,
+    shard_router,
+    window_router_dir,
+)
+from dipaco.eval.window_policy import all_chunk_nll, chunk_cuts
+from dipaco.routing.discriminative import fit_discriminative, fit_window
+from dipaco.sharding.tokenizer import encode
 
 from dipaco.command_config import WindowRouterConfig as W  # the defaults, declared once
 from dipaco.errors import DipacoError
-from dipaco.eval.perplexity import Scorer, check_compatible, choose_on_validation, shard_router, window_router_dir
-from dipaco.eval.window_policy import all_chunk_nll, chunk_cuts
 from dipaco.io import write_json
 from dipaco.outputs import atomic_dir
-from dipaco.routing.discriminative import fit_discriminative, fit_window
 from dipaco.run import Run
 from dipaco.shards import ShardSet
-from dipaco.sharding.tokenizer import encode
-
 
 MIN_WINDOWS = 200  # fewer router windows than max(this, 25 per path): no window router is fitted
 
@@ -88,13 +95,16 @@ def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, 
                 "warning": warning, "policy": policy, "seconds": round(time.perf_counter() - began, 2), "out": str(out)}
 
     # every path's loss on every chunk after the first of every router document, as eval computes it
-    chunk_nll = all_chunk_nll(Scorer(run, ids, run.config.eval.batch_size, progress), paths, r, chunk_cuts(ids, context, window))
+    scorer = Scorer(run, ids, run.config.eval.batch_size, progress)
+    chunk_nll = all_chunk_nll(scorer, paths, r, chunk_cuts(ids, context, window))
     losses = np.concatenate([c[1:] for c in chunk_nll])  # in the order of ``examples``
     labels = losses.argmin(axis=1)
     windows = [ids[d][lo - window:lo] for d, lo, _ in examples]
     prefix = router.input.with_tokens(window)
     x = router.features.transform(prefix.texts_of_ids(windows))
-    document = np.array([paths.index(p) for p in router.route_ids(ids)])[[d for d, _, _ in examples]]  # the path it is on
+    # the path the document is on: the run's once rule, as eval routes chunk 0
+    once = route_once(run, router, scorer, ids, r, once_policy(run, shards, r, progress))
+    document = np.array([paths.index(p) for p in once])[[d for d, _, _ in examples]]
 
     # accuracy on held-aside documents (whole documents, so no window leaks), then the final fit on all
     docs_order = np.random.default_rng(seed).permutation(len(ids))

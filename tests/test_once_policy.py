@@ -1,0 +1,157 @@
+"""Routing once: the candidate rules (shard router, prefix loss, prefix loss with the router as a prior), the choice on
+the router documents, and eval and generate following the chosen rule."""
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from dipaco.eval.once_policy import (
+    MIN_DOCUMENTS,
+    OnceRule,
+    choose_once,
+    decide_once,
+    once_candidates,
+    once_rule_of,
+    router_log_prior,
+)
+
+from dipaco.cli import main
+
+PATHS = ["0-0", "0-1", "1-0", "1-1"]
+
+
+class _Router:
+    def __init__(self, kind):
+        self.kind, self.paths = kind, PATHS
+
+
+def test_decide_once_follows_the_rule():
+    shard = ["0-0", "0-0", "1-1"]
+    prefix = np.array([[5.0, 3.0, 4.0, 6.0], [2.0, 2.0, 2.0, 2.0], [1.0, 9.0, 9.0, 0.5]])
+    assert decide_once(OnceRule("shard-router"), PATHS, shard) == shard
+    # the lowest prefix loss; a document on which every path ties (too short to score) keeps the shard router's path
+    assert decide_once(OnceRule("prefix-loss"), PATHS, shard, prefix) == ["0-1", "0-0", "1-1"]
+    prior = np.log(np.array([[0.97, 0.01, 0.01, 0.01]] * 3))  # the router is sure of 0-0 for every document
+    assert decide_once(OnceRule("prefix-loss", prior=True), PATHS, shard, prefix, prior) == ["0-0", "0-0", "0-0"]
+    with pytest.raises(ValueError):
+        decide_once(OnceRule("nonsense"), PATHS, shard, prefix)
+    assert once_rule_of(OnceRule("prefix-loss", prior=True).to_dict()) == OnceRule("prefix-loss", prior=True)
+
+
+def test_router_log_prior_is_the_routers_probability():
+    dist = np.array([[0.2, 0.3, 1.0, 0.5]])
+    disc = router_log_prior(_Router("discriminative"), dist)  # distances are negative logits
+    assert np.allclose(np.exp(disc).sum(), 1) and np.allclose(disc - disc.max(), -(dist - dist.min()))
+    km = router_log_prior(_Router("kmeans"), dist, temperature=0.1)  # c-BTM: softmax(-d^2 / T)
+    assert np.allclose(km - km.max(), -(dist - dist.min()) / 0.1)
+    assert router_log_prior(_Router("random"), dist) is None
+    assert [r.name for r in once_candidates(_Router("random"))] == ["shard-router", "prefix-loss"]
+    assert [r.name for r in once_candidates(_Router("kmeans"))][-1] == "prefix-loss + router prior"
+
+
+def _documents(n, rng):
+    """n documents whose body prefers the path their prefix prefers (so prefix-loss beats a shard router that is
+    right only half the time)."""
+    best = rng.integers(0, 4, n)
+    body, prefix = rng.uniform(100, 110, (n, 4)), rng.uniform(20, 30, (n, 4))
+    body[np.arange(n), best] -= 20
+    prefix[np.arange(n), best] -= 10
+    shard = [PATHS[b] if i % 2 else PATHS[(b + 1) % 4] for i, b in enumerate(best)]
+    return body, prefix, shard
+
+
+def test_choose_once_picks_the_lowest_and_keeps_the_shard_router_without_evidence():
+    rng = np.random.default_rng(0)
+    rules = once_candidates(_Router("kmeans"))
+    body, prefix, shard = _documents(40, rng)
+    prior = np.zeros((40, 4))
+    out = choose_once(rules, PATHS, shard, body, prefix, prior, tokens=40 * 100)
+    assert out["name"] in ("prefix-loss", "prefix-loss + router prior") and "lowest perplexity on 40" in out["reason"]
+    ppl = out["router_documents"]
+    assert ppl[out["name"]] < ppl["shard-router"] and out["oracle"] <= min(ppl.values())
+    assert out["picks_oracle_path"]["prefix-loss"] == 1.0 and out["picks_oracle_path"]["shard-router"] == 0.5
+    # ties go to the shard router: with an uninformative prefix every rule picks the shard router's path
+    tie = choose_once(rules, PATHS, shard, body, np.zeros_like(prefix), prior, tokens=4000)
+    assert tie["name"] == "shard-router" and "no rule beat" in tie["reason"]
+    # too few router documents to trust another rule, however good it looks
+    few = MIN_DOCUMENTS - 1
+    small = choose_once(rules, PATHS, shard[:few], body[:few], prefix[:few], prior[:few], tokens=few * 100)
+    assert small["name"] == "shard-router" and f"only {few} router documents" in small["reason"]
+    assert small["router_documents"]["prefix-loss"] < small["router_documents"]["shard-router"]
+
+
+# ---------------------------------------------------------------------------------------------------- real runs
+@pytest.fixture(scope="module")
+def run_copy(tmp_path_factory, shards_2x2):
+    """A copy of the shared tiny run (this module writes RUN/routing/ into it)."""
+    from eval_helpers import private_run
+
+    out = tmp_path_factory.mktemp("once") / "run"
+    shutil.copytree(private_run(tmp_path_factory, shards_2x2), out)
+    return out
+
+
+def _prefix_nll_by_hand(run, ids, context):
+    out = []
+    with torch.no_grad():
+        for p in run.grid.paths:
+            model, row = run.path_model(p).model, []
+            for x in ids:
+                t = torch.tensor([x[:context]])
+                logits = model(input_ids=t).logits[0, :-1].float()
+                row.append(float(torch.nn.functional.cross_entropy(logits, t[0, 1:], reduction="sum")))
+            out.append(row)
+    return np.array(out).T
+
+
+@pytest.mark.slow
+def test_choose_routing_reads_only_router_documents_and_eval_and_generate_follow_it(run_copy, shards_2x2, monkeypatch,
+                                                                                     capsys):
+    from dipaco.eval import perplexity
+    from dipaco.eval.api import load
+    from dipaco.eval.generate import generate
+
+    from dipaco.run import Run
+    from dipaco.shards import ShardSet
+
+    def forbidden(*_):
+        raise AssertionError("the once rule must be chosen without the held-out or validation documents")
+
+    with monkeypatch.context() as m:
+        m.setattr(perplexity, "heldout_tokens", forbidden)
+        m.setattr(perplexity, "validation_tokens", forbidden)
+        assert main(["choose-routing", "--run", str(run_copy), "--shards", str(shards_2x2), "--quiet"]) == 0
+    saved = json.loads((run_copy / "routing" / "once.json").read_text())
+    assert saved["split"] == "router_docs" and "routing once uses" in capsys.readouterr().out
+    # a second choice is refused without --overwrite (one line, exit 2), and allowed with it
+    assert main(["choose-routing", "--run", str(run_copy), "--shards", str(shards_2x2), "--quiet"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["choose-routing", "--run", str(run_copy), "--shards", str(shards_2x2), "--quiet", "--overwrite"]) == 0
+
+    # force the prefix-loss rule: eval routes each held-out document to the path with the lowest loss on its first
+    # 32 tokens (computed by hand here), and keeps the shard router's row beside it
+    forced = saved | {"chosen": OnceRule("prefix-loss").to_dict(), "name": "prefix-loss", "reason": "forced by the test"}
+    (run_copy / "routing" / "once.json").write_text(json.dumps(forced))
+    run, shards = Run(run_copy), ShardSet(shards_2x2)
+    _, ids = perplexity.heldout_tokens(shards, run.config.eval.max_tokens_per_doc)
+    rep = perplexity.evaluate({"dipaco": run_copy}, shards_2x2, progress=False, oracle=True, route_every=[10**6])
+    routed, shard_row = rep["methods"]["dipaco"], rep["methods"]["dipaco shard-router"]
+    assert "prefix-loss" in routed["routing"] and routed["once_policy"]["reason"] == "forced by the test"
+    scored = [x for x in ids if len(x) > 32]
+    want = [run.grid.paths[int(j)] for j in _prefix_nll_by_hand(run, scored, 32).argmin(axis=1)]
+    docs = {p: v["documents"] for p, v in routed["per_path"].items() if v["documents"]}
+    assert docs == {p: want.count(p) for p in set(want)}
+    assert shard_row["tokens"] == routed["tokens"] and math.isfinite(shard_row["perplexity"])
+    assert rep["methods"]["dipaco every-1000000"]["nll_sum"] == routed["nll_sum"]  # "stay" is the once rule's path
+    assert rep["methods"]["dipaco oracle"]["perplexity"] <= routed["perplexity"]
+
+    # generate routes a prompt the same way: every path reads the prompt's first tokens, one path answers
+    rr = load(run_copy)
+    prompt = "def main():\n    return the value of the first argument plus one"
+    g = generate(rr, prompt, max_new_tokens=4, route_every=0)
+    by_hand = _prefix_nll_by_hand(run, [rr.encode(prompt)], 32)[0]
+    assert g.paths == [(run.grid.paths[int(by_hand.argmin())], 1.0)] and "prefix-loss" in g.router
+    assert g.bytes_loaded == g.bytes_total  # every path was read to choose
