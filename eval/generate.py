@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from dipaco.eval.once_policy import decide_once, once_rule_of, router_log_prior
-from dipaco.eval.perplexity import check_mixture, mixture_weights
-from dipaco.eval.window_policy import Rule, decide, rule_of
 
 from dipaco.command_config import GenerateConfig as G  # the defaults, declared once
 from dipaco.errors import DipacoError
+from dipaco.eval.once_policy import decide_once, once_rule_of, router_log_prior
+from dipaco.eval.perplexity import check_mixture, mixture_weights
+from dipaco.eval.window_policy import Rule, decide, rule_of
 
 if TYPE_CHECKING:  # only for annotations: RoutedRun.generate calls generate()
     from dipaco.eval.api import RoutedRun
@@ -63,10 +63,9 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
     """Greedy when ``temperature`` is 0, else sampling with ``temperature`` and ``top_p`` (seeded).
 
     The prompt is routed like a document: by the run's once rule (``dipaco choose-routing``; without one, the shard
-    router on its first tokens). ``route_every`` W > 0
-    re-routes after every W new tokens with the run's every-W rule (chosen on validation by ``dipaco
-    fit-window-router``; without one, the shard router on the last 32 tokens); None does so when the run has
-    exactly one fitted W, 0 never."""
+    router on its first tokens). ``route_every`` W > 0 re-routes after every W new tokens with the run's every-W
+    rule (chosen on validation by ``dipaco fit-window-router``; without one, the shard router on the last 32
+    tokens); None does so when the run has exactly one fitted W, 0 never."""
     if max_new_tokens < 1:
         raise DipacoError(f"--max-new-tokens {max_new_tokens} is not valid; ask for at least 1 token")
     if temperature < 0 or not 0 < top_p <= 1:

@@ -34,33 +34,20 @@ import math
 from pathlib import Path
 
 import numpy as np
-from dipaco.eval.once_policy import (
-    choose_once,
-    decide_once,
-    once_candidates,
-    once_rule_of,
-    prefix_nll,
-    router_log_prior,
-)
-from dipaco.eval.window_policy import (
-    all_chunk_nll,
-    candidates,
-    choose,
-    chunk_cuts,
-    decide,
-    rule_of,
-)
-from dipaco.routing import Router
-from dipaco.routing.router import BaseRouter
-from dipaco.sharding.tokenizer import encode
 from tqdm.auto import tqdm
 
 from dipaco.command_config import EvalCommandConfig as E  # the defaults, declared once
 from dipaco.errors import DipacoError
+from dipaco.eval.once_policy import (choose_once, decide_once, once_candidates, once_rule_of, prefix_nll,
+                                     router_log_prior)
+from dipaco.eval.window_policy import all_chunk_nll, candidates, choose, chunk_cuts, decide, rule_of
 from dipaco.io import write_json
 from dipaco.outputs import atomic_dir
+from dipaco.routing import Router
+from dipaco.routing.router import BaseRouter
 from dipaco.run import Run
 from dipaco.scoring import window_nll, windows_for
+from dipaco.sharding.tokenizer import encode
 from dipaco.shards import ShardSet, read_docs
 
 Segment = tuple[int, int, list[tuple[str, int, float]]]

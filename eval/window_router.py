@@ -24,25 +24,19 @@ import time
 from pathlib import Path
 
 import numpy as np
-from dipaco.eval.perplexity import (
-    Scorer,
-    check_compatible,
-    choose_on_validation,
-    once_policy,
-    route_once,
-    shard_router,
-    window_router_dir,
-)
-from dipaco.eval.window_policy import all_chunk_nll, chunk_cuts
-from dipaco.routing.discriminative import fit_discriminative, fit_window
-from dipaco.sharding.tokenizer import encode
 
 from dipaco.command_config import WindowRouterConfig as W  # the defaults, declared once
 from dipaco.errors import DipacoError
+from dipaco.eval.perplexity import (Scorer, check_compatible, choose_on_validation, once_policy, route_once, shard_router,
+                                   window_router_dir)
+from dipaco.eval.window_policy import all_chunk_nll, chunk_cuts
 from dipaco.io import write_json
 from dipaco.outputs import atomic_dir
+from dipaco.routing.discriminative import fit_discriminative, fit_window
 from dipaco.run import Run
+from dipaco.sharding.tokenizer import encode
 from dipaco.shards import ShardSet
+
 
 MIN_WINDOWS = 200  # fewer router windows than max(this, 25 per path): no window router is fitted
 

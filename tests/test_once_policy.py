@@ -8,17 +8,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from dipaco.eval.once_policy import (
-    MIN_DOCUMENTS,
-    OnceRule,
-    choose_once,
-    decide_once,
-    once_candidates,
-    once_rule_of,
-    router_log_prior,
-)
 
 from dipaco.cli import main
+from dipaco.eval.once_policy import (MIN_DOCUMENTS, OnceRule, choose_once, decide_once, once_candidates, once_rule_of,
+                                     router_log_prior)
 
 PATHS = ["0-0", "0-1", "1-0", "1-1"]
 
@@ -113,7 +106,6 @@ def test_choose_routing_reads_only_router_documents_and_eval_and_generate_follow
     from dipaco.eval import perplexity
     from dipaco.eval.api import load
     from dipaco.eval.generate import generate
-
     from dipaco.run import Run
     from dipaco.shards import ShardSet
 
