@@ -171,6 +171,8 @@ def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
                     "per_label": {k: v["perplexity"] for k, v in m["dipaco"].get("per_label", {}).items()},
                     "dense_per_label": {k: v["perplexity"] for k, v in m["dense baseline"].get("per_label", {}).items()}},
         "validation": {v: {"routed": val[v]["methods"]["dipaco"]["perplexity"],
+                           "once_rule": val[v]["methods"]["dipaco"].get("once_policy", {}).get("name"),
+                           "shard_router": val[v]["methods"].get("dipaco shard-router", val[v]["methods"]["dipaco"])["perplexity"],
                            "oracle": val[v]["methods"]["dipaco oracle"]["perplexity"],
                            "dense": val[v]["methods"]["dense baseline"]["perplexity"], "documents": val[v]["documents"]}
                        for v in VARIANTS},

@@ -51,7 +51,8 @@ class RoutedRun:
 
     # -------------------------------------------------------------- routing
     def route(self, texts: list[str]) -> list[str]:
-        """One path id per text (a dense run always answers its single path)."""
+        """The shard router's path id per text (a dense run always answers its single path). ``generate`` follows the
+        run's once rule instead (``dipaco choose-routing``), which may score the text's first tokens with every path."""
         if isinstance(texts, str):
             raise DipacoError("route takes a list of texts, not a single string; wrap it: route([text])")
         return [self.paths[0]] * len(texts) if self.run.is_dense else self.router.route(texts)
