@@ -288,17 +288,25 @@ def policy_file(run: Run, w: int) -> Path:
 
 def every_w_policy(run: Run, shards: ShardSet, w: int, r: int, window_router: BaseRouter | None, progress: bool = True) -> dict:
     """The rule of every-W routing for this run: the one ``dipaco fit-window-router`` chose on the validation documents
-    (``RUN/window_routers/w<W>/policy.json``), or, for a run without one, the one the validation documents choose now
-    among the rules that need no fitting."""
+    (``RUN/window_routers/w<W>/policy.json``), or, for a run without one (or one chosen against another once rule:
+    its "stay" was another routing once), the one the validation documents choose now among the rules that need no
+    fitting."""
     f = policy_file(run, w)
+    once = once_policy(run, shards, r, progress)
     if f.is_file():
-        return json.loads(f.read_text(encoding="utf-8")) | {"source": str(f)}
-    return choose_on_validation(run, shards, w, r, window_router, progress) | {"source": "chosen now on the validation documents"}
+        saved = json.loads(f.read_text(encoding="utf-8"))
+        if saved.get("once_rule", "shard-router") == once["name"]:
+            return saved | {"source": str(f)}
+        why = f"chosen now on the validation documents: {f} was chosen when routing once used {saved.get('once_rule', 'shard-router')}"
+    else:
+        why = "chosen now on the validation documents"
+    return choose_on_validation(run, shards, w, r, window_router, progress, once) | {"source": why}
 
 
 def choose_on_validation(run: Run, shards: ShardSet, w: int, r: int, window_router: BaseRouter | None,
-                         progress: bool = True) -> dict:
-    """Every candidate rule scored on every chunk of the validation documents (never the held-out ones); the best."""
+                         progress: bool = True, once: dict | None = None) -> dict:
+    """Every candidate rule scored on every chunk of the validation documents (never the held-out ones); the best.
+    Chunk 0, and the rule "stay", follow the run's once rule (``once``, or its saved or freshly chosen one)."""
     context = run.config.eval.context_tokens
     router = shard_router(shards, context)
     _, ids = validation_tokens(shards, run.config.eval.max_tokens_per_doc)
@@ -306,9 +314,10 @@ def choose_on_validation(run: Run, shards: ShardSet, w: int, r: int, window_rout
     scorer = Scorer(run, ids, run.config.eval.batch_size, progress)
     chunk_nll = all_chunk_nll(scorer, run.grid.paths, r, cuts)
     rules = candidates(w, router.input.tokens, window_router is not None)
-    routes = route_once(run, router, scorer, ids, r, once_policy(run, shards, r, progress))  # chunk 0, and "stay"
+    once = once or once_policy(run, shards, r, progress)
+    routes = route_once(run, router, scorer, ids, r, once)
     out = choose(rules, cuts, routes, ids, run.grid.paths, chunk_nll, router, window_router)
-    return out | {"window": w, "round": r, "split": "val", "documents": len(ids)}
+    return out | {"window": w, "round": r, "split": "val", "documents": len(ids), "once_rule": once["name"]}
 
 
 def check_mixture(k: int, run: Run) -> None:

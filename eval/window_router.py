@@ -73,13 +73,14 @@ def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, 
     if r not in run.rounds:
         raise DipacoError(f"run {run.root} has no round {r}; available: {run.rounds}")
 
+    once = once_policy(run, shards, r, progress)  # the document's path (chunk 0) and "stay" follow it
     docs = shards.router_docs()
     ids = [t[:max_tokens] for t in encode(shards.tokenizer(), [d["text"] for d in docs])]
     examples = window_examples(ids, context, window)
     paths = run.grid.paths
     enough = max(MIN_WINDOWS, 25 * len(paths))
     if len(examples) < enough:  # no classifier: the rules that need no fitting, chosen on validation (stay included)
-        policy = choose_on_validation(run, shards, window, r, None, progress)
+        policy = choose_on_validation(run, shards, window, r, None, progress, once)
         warning = (f"the router documents of {shards.root} give only {len(examples)} windows of {window} tokens (fewer "
                    f"than {enough}), too few to fit a window router; every-{window} routing uses {policy['name']} "
                    f"({policy['reason']}). Re-shard with a larger data.router_fraction to fit one")
@@ -97,8 +98,8 @@ def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, 
     prefix = router.input.with_tokens(window)
     x = router.features.transform(prefix.texts_of_ids(windows))
     # the path the document is on: the run's once rule, as eval routes chunk 0
-    once = route_once(run, router, scorer, ids, r, once_policy(run, shards, r, progress))
-    document = np.array([paths.index(p) for p in once])[[d for d, _, _ in examples]]
+    document_paths = route_once(run, router, scorer, ids, r, once)
+    document = np.array([paths.index(p) for p in document_paths])[[d for d, _, _ in examples]]
 
     # accuracy on held-aside documents (whole documents, so no window leaks), then the final fit on all
     docs_order = np.random.default_rng(seed).permutation(len(ids))
@@ -130,7 +131,7 @@ def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, 
                                   f"path, label = the path with the lowest loss on the next {window}",
                        "run": str(run.root.resolve()), "shards_fingerprint": shards.fingerprint,
                        **{k: v for k, v in report.items() if k != "label_shares"}})
-    policy = choose_on_validation(run, shards, window, r, final, progress)  # which rule every-W routing uses
+    policy = choose_on_validation(run, shards, window, r, final, progress, once)  # which rule every-W routing uses
     with atomic_dir(out, overwrite=overwrite) as tmp:
         final.save(tmp)
         write_json(tmp / "policy.json", policy)

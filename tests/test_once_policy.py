@@ -129,7 +129,13 @@ def test_choose_routing_reads_only_router_documents_and_eval_and_generate_follow
     (run_copy / "routing" / "once.json").write_text(json.dumps(forced))
     run, shards = Run(run_copy), ShardSet(shards_2x2)
     _, ids = perplexity.heldout_tokens(shards, run.config.eval.max_tokens_per_doc)
+    # an every-W rule chosen while routing once was another rule is chosen again (its "stay" was another path)
+    stale = run_copy / "window_routers" / "w1000000"
+    stale.mkdir(parents=True)
+    (stale / "policy.json").write_text(json.dumps({"chosen": {"kind": "stay"}, "name": "stay", "reason": "old",
+                                                   "once_rule": "shard-router"}))
     rep = perplexity.evaluate({"dipaco": run_copy}, shards_2x2, progress=False, oracle=True, route_every=[10**6])
+    assert "when routing once used shard-router" in rep["methods"]["dipaco every-1000000"]["policy"]["source"]
     routed, shard_row = rep["methods"]["dipaco"], rep["methods"]["dipaco shard-router"]
     assert "prefix-loss" in routed["routing"] and routed["once_policy"]["reason"] == "forced by the test"
     scored = [x for x in ids if len(x) > 32]
