@@ -139,7 +139,7 @@ def choose_once_on_router_docs(run: Run, shards: ShardSet, r: int, progress: boo
     body = np.array([[scorer.nll(p, r, d, lo, len(x)).sum(dtype=np.float64) for p in paths]
                      for d, x in enumerate(ids)]).reshape(len(ids), len(paths))
     dist = router.distances_of_ids(ids)
-    out = choose_once(once_candidates(router), paths, router.route_ids(ids), body,
+    out = choose_once(once_candidates(router), paths, [router.paths[j] for j in dist.argmin(axis=1)], body,
                       prefix_nll(scorer, paths, r, ids, context), router_log_prior(router, dist),
                       sum(len(x) - lo for x in ids))
     return out | {"round": r, "split": "router_docs"}
@@ -168,13 +168,13 @@ def save_once_policy(run_dir: str | Path, shards_dir: str | Path, at_round: int 
 def route_once(run: Run, router: BaseRouter | None, scorer: Scorer, ids: list[list[int]], r: int,
                policy: dict | None) -> list[str]:
     """Every document's path under the run's once rule (a dense run: its single path)."""
-    shard_routes = route_documents(run, router, ids)
     rule = once_rule_of(policy["chosen"]) if policy else None
-    if rule is None or rule.kind == "shard-router":
-        return shard_routes
-    context = run.config.eval.context_tokens
-    return decide_once(rule, run.grid.paths, shard_routes, prefix_nll(scorer, run.grid.paths, r, ids, context),
-                       router_log_prior(router, router.distances_of_ids(ids)))
+    if run.is_dense or rule is None or rule.kind == "shard-router":
+        return route_documents(run, router, ids)
+    dist = router.distances_of_ids(ids)
+    shard_routes = [router.paths[j] for j in dist.argmin(axis=1)]  # what route_ids answers
+    prefix = prefix_nll(scorer, run.grid.paths, r, ids, run.config.eval.context_tokens)
+    return decide_once(rule, run.grid.paths, shard_routes, prefix, router_log_prior(router, dist))
 
 
 def window_router_dir(run: Run, w: int) -> Path:
@@ -286,13 +286,13 @@ def policy_file(run: Run, w: int) -> Path:
     return window_router_dir(run, w) / "policy.json"
 
 
-def every_w_policy(run: Run, shards: ShardSet, w: int, r: int, window_router: BaseRouter | None, progress: bool = True) -> dict:
+def every_w_policy(run: Run, shards: ShardSet, w: int, r: int, window_router: BaseRouter | None, once: dict,
+                   progress: bool = True) -> dict:
     """The rule of every-W routing for this run: the one ``dipaco fit-window-router`` chose on the validation documents
-    (``RUN/window_routers/w<W>/policy.json``), or, for a run without one (or one chosen against another once rule:
-    its "stay" was another routing once), the one the validation documents choose now among the rules that need no
-    fitting."""
+    (``RUN/window_routers/w<W>/policy.json``), or, for a run without one (or one chosen against another once rule than
+    ``once``, the run's ``once_policy``: its "stay" was another routing once), the one the validation documents choose
+    now among the rules that need no fitting."""
     f = policy_file(run, w)
-    once = once_policy(run, shards, r, progress)
     if f.is_file():
         saved = json.loads(f.read_text(encoding="utf-8"))
         if saved.get("once_rule", "shard-router") == once["name"]:
@@ -404,19 +404,19 @@ def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[in
         add("routed", once_segments(route_documents(run, None, ids), ids, context, r), routing="the single path of a dense run")
         return rows
     router = shard_router(shards, context)
-    policy = once_policy(run, shards, r, progress)
-    once = once_rule_of(policy["chosen"])
-    routes = route_once(run, router, scorer, ids, r, policy)
-    add("routed", once_segments(routes, ids, context, r), once_policy=policy,
+    once_choice = once_policy(run, shards, r, progress)
+    once = once_rule_of(once_choice["chosen"])
+    routes = route_once(run, router, scorer, ids, r, once_choice)
+    add("routed", once_segments(routes, ids, context, r), once_policy=once_choice,
         routing=f"once, {once.name}: {once.describe(router.input.tokens if once.one_path else context)}; chosen on the "
-                f"router documents ({policy['reason']})")
+                f"router documents ({once_choice['reason']})")
     if once.kind != "shard-router":  # the paper's routing once, for comparison
         add("shard-router", once_segments(route_documents(run, router, ids), ids, context, r),
             routing=f"once, shard router on the first {router.input.tokens} tokens")
     chunk_nll: dict[int, list[np.ndarray]] = {}
     for w in route_every:
         window = load_window_router(run, shards, w)
-        policy = every_w_policy(run, shards, w, r, window, progress)
+        policy = every_w_policy(run, shards, w, r, window, once_choice, progress)
         rule, cuts = rule_of(policy["chosen"]), chunk_cuts(ids, context, w)
         if rule.kind == "lagged-loss" or oracle:
             chunk_nll[w] = all_chunk_nll(scorer, run.grid.paths, r, cuts)
