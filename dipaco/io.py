@@ -85,3 +85,9 @@ def _fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def log(stream, **record) -> None:
+    """One JSON line of metrics.jsonl, flushed (a reader, or a crash, sees every line written)."""
+    stream.write(json.dumps(record) + "\n")
+    stream.flush()

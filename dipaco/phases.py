@@ -114,13 +114,7 @@ def run_phase(spec: PhaseSpec, node: str = "") -> dict:
     glob = {m: {n: modules[m][n] for n in names} for m, names in tr.model.module_params.items()}  # model order
     loaded = time.perf_counter()
 
-    val = None
-    if spec.validate:
-        windows = fixed_windows([shards.tokens(s, "val") for s in spec.val_sources], cfg.val_batches * cfg.inner.batch_size,
-                                cfg.model.max_seq_len)
-        val = validate(modules, {spec.path: tr.model}, {spec.path: windows}, cfg.inner.batch_size).get(spec.path)
-        if val is not None:
-            store.write_val(v, spec.path, val)
+    val = _val_loss(store, shards, cfg, spec.path, spec.val_sources, v, modules, tr.model) if spec.validate else None
     validated = time.perf_counter()
 
     tr.model.model.train()
@@ -200,17 +194,24 @@ def outer_step(spec: StepSpec, node: str = "") -> dict:
 
 def validate_path(run: str, shards_dir: str, cfg: TrainConfig, grid: Grid, path: str, sources: list[str], version: int,
                   modules: dict[str, str]) -> float | None:
-    """``sources``: the shard paths of the path's validation windows."""
-    """The validation loss of ``path`` at ``version`` (written to the queue) for a round no phase validated."""
+    """The validation loss of ``path`` at ``version`` (written to the queue) for a round no phase validated;
+    ``modules``: module -> the file of its version ``version``."""
     torch.set_num_threads(cfg.ray.threads)
     shards = _shards(shards_dir)
     tr = make_trainee(0, path, sources, grid, shards, cfg, model=_model(cfg, shards))
     loaded = {m: load_tensors(Path(f)) for m, f in modules.items()}
+    return _val_loss(TaskStore(run), shards, cfg, path, sources, version, loaded, tr.model)
+
+
+def _val_loss(store: TaskStore, shards: ShardSet, cfg: TrainConfig, path: str, sources: list[str], version: int,
+              modules: dict, model) -> float | None:
+    """The loss of ``path``'s global weights ``modules`` at ``version`` on its fixed validation windows (``sources``:
+    the shard paths they come from, all its trainees' shards), written to the queue; None when they hold no window."""
     windows = fixed_windows([shards.tokens(s, "val") for s in sources], cfg.val_batches * cfg.inner.batch_size,
                             cfg.model.max_seq_len)
-    val = validate(loaded, {path: tr.model}, {path: windows}, cfg.inner.batch_size).get(path)
+    val = validate(modules, {path: model}, {path: windows}, cfg.inner.batch_size).get(path)
     if val is not None:
-        TaskStore(run).write_val(version, path, val)
+        store.write_val(version, path, val)
     return val
 
 

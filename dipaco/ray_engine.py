@@ -36,7 +36,7 @@ from dipaco import checkpoint
 from dipaco.config import TrainConfig
 from dipaco.errors import DipacoError
 from dipaco.grid import format_grid
-from dipaco.io import write_json
+from dipaco.io import log, write_json
 from dipaco.model import PathModel, count_parameters, init_modules, llama_config
 from dipaco.outer import renormalised
 from dipaco.phases import PhaseSpec, StepSpec, outer_step, run_phase, validate_path
@@ -375,8 +375,3 @@ def logged_rounds(run: Path) -> set[int]:
         if row.get("kind") == "round":
             rounds.add(int(row["round"]))
     return rounds
-
-
-def log(stream, **record) -> None:
-    stream.write(json.dumps(record) + "\n")
-    stream.flush()

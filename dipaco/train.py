@@ -20,7 +20,6 @@ directory must be shared by all workers (one machine, or a shared file system ac
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from contextlib import closing
@@ -33,7 +32,7 @@ from dipaco import checkpoint
 from dipaco.comm import World, make_world
 from dipaco.config import TrainConfig
 from dipaco.grid import Grid, format_grid
-from dipaco.io import write_json
+from dipaco.io import log, write_json
 from dipaco.model import PathModel, count_parameters, init_modules, llama_config, new_model
 from dipaco.outer import OuterOptimizer
 from dipaco.run import Plan, RunDirectory, build_grid, init_from_dense, resolve_device
@@ -220,8 +219,3 @@ def log_round(metrics, r: int, report: list[dict], cfg: TrainConfig, num_trainee
         bytes_received=sum(by_rank["bytes_received"]), compute_s=sum(by_rank["compute_s"]) / len(report),
         comm_s=sum(by_rank["comm_s"]) / len(report), wait_s=sum(by_rank["wait_s"]) / len(report),
         by_worker=by_rank)
-
-
-def log(stream, **record) -> None:
-    stream.write(json.dumps(record) + "\n")
-    stream.flush()
