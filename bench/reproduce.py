@@ -463,10 +463,6 @@ def best_child(spec: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------- results
-def s_route_every(best: dict) -> int:
-    return best.get("route_every", 64)
-
-
 def dp_bytes(per_path: int, replicas: int, steps: int) -> int:
     """Bytes all workers send when ``replicas`` data-parallel copies all-reduce bf16 gradients every step: a
     reduce-scatter + all-gather, 2(n−1)/n of the gradient per replica (not dipaco's transport, which below
@@ -647,7 +643,7 @@ def markdown(name: str, res: dict, s: Scale, plots: dict[str, str]) -> str:
                           f"held-aside windows it picks the lowest-loss path {fmt(w['accuracy'], 3)} of the time (the "
                           f"document's path: {fmt(w['accuracy_document_path'], 3)})."]
         if best.get("policy"):
-            lines += ["", f"Every-{s_route_every(best)} rule chosen on the validation documents: **{best['policy']['name']}** "
+            lines += ["", f"Every-{s.route_every} rule chosen on the validation documents: **{best['policy']['name']}** "
                           f"({best['policy']['reason']})."]
     labels = sorted({l for r in res["runs"].values() for l in r.get("per_label", {})})
     if labels:
