@@ -31,7 +31,8 @@ time and bytes from ``bench/out/ray_engine.json`` (``bench/ray_engine.py``; else
 ``bench/ray_engine_results.json``); ``--scale paper`` assumes the DiPaCo paper's path (150M parameters, fp32
 weights, AdamW state kept in storage, a phase of 150 inner steps taking 5 minutes, the embedding 20% of a path).
 The measured scale's tiny path has its embedding at 55% of the parameters. Every number can be overridden
-by its flag. Prints a table (mean ± sd over seeds) and writes ``bench/out/elastic.json`` and ``bench/out/elastic.png``.
+by its flag. Prints a table (mean ± sd over seeds) and writes ``elastic.json`` and ``elastic.png`` to ``--out``
+(default ``bench/out``).
 """
 
 from __future__ import annotations
@@ -296,6 +297,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", type=float, nargs="+", default=[0, 0.01, 0.05, 0.1, 0.2, 0.5])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="workers 16 and 64, rates 0 and 0.1, 2 seeds")
+    ap.add_argument("--out", type=Path, default=OUT, help="folder for elastic.json and elastic.png")
     for f in Model.__dataclass_fields__.values():
         ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default) if f.type != "bool" else int, default=None)
     args = ap.parse_args(argv)
@@ -313,10 +315,10 @@ def main(argv=None) -> int:
     print("assumptions: " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in asdict(m).items()))
     print()
     print_table(rows)
-    OUT.mkdir(exist_ok=True)
-    (OUT / "elastic.json").write_text(json.dumps({"model": asdict(m), "source": source, "rows": rows}, indent=1))
-    plot(rows, f"{m.paths} paths, {m.rounds} rounds, phase {m.phase_compute_s:g} s ({source})", OUT / "elastic.png")
-    print(f"\nwrote {OUT / 'elastic.json'} and {OUT / 'elastic.png'}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "elastic.json").write_text(json.dumps({"model": asdict(m), "source": source, "rows": rows}, indent=1))
+    plot(rows, f"{m.paths} paths, {m.rounds} rounds, phase {m.phase_compute_s:g} s ({source})", args.out / "elastic.png")
+    print(f"\nwrote {args.out / 'elastic.json'} and {args.out / 'elastic.png'}")
     return 0
 
 

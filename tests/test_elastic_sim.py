@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from dataclasses import replace
@@ -72,8 +73,9 @@ def test_preemptions_cost_the_queue_little_and_the_synchronous_job_much():
     assert queue["utilisation"] > 2 * sync["utilisation"]
 
 
-def test_the_command_prints_a_table_and_writes_json_and_a_plot(capsys):
-    assert main(["--quick", "--seeds", "1", "--rounds", "2", "--paths-per-level", "4"]) == 0
+def test_the_command_prints_a_table_and_writes_json_and_a_plot(capsys, tmp_path):
+    assert main(["--quick", "--seeds", "1", "--rounds", "2", "--paths-per-level", "4", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| workers |" in out and "task queue" in out and "synchronous" in out
-    assert (Path(__file__).resolve().parents[1] / "bench" / "out" / "elastic.png").is_file()
+    assert json.loads((tmp_path / "elastic.json").read_text())["rows"]
+    assert (tmp_path / "elastic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
