@@ -46,6 +46,7 @@ VARIANTS = ("prefix", "document")
 
 
 def corpus_inputs(name: str, work: Path, data: Path) -> list[str]:
+    """The corpus files; ``work`` is the seed-0 folder, where the built corpora live (every seed reads the same)."""
     if name == "fresh":  # four domains from files on this machine that dipaco was never tuned on
         from fresh_corpus import build
 
@@ -65,7 +66,7 @@ def corpus_inputs(name: str, work: Path, data: Path) -> list[str]:
     return [str(path)]
 
 
-def make_shards(inputs: list[str], work: Path) -> dict[str, Path]:
+def make_shards(inputs: list[str], work: Path, seed: int) -> dict[str, Path]:
     from dipaco.config import ShardConfig, resolve
     from dipaco.sharding.writer import shard
 
@@ -73,16 +74,16 @@ def make_shards(inputs: list[str], work: Path) -> dict[str, Path]:
     for v, d in dirs.items():
         if not (d / "manifest.json").is_file():
             print(f"[shard] {d}")
-            cfg = resolve(ShardConfig, overrides=SHARD_SETS + [f'routing.cluster_on="{v}"'])
+            cfg = resolve(ShardConfig, overrides=SHARD_SETS + [f'routing.cluster_on="{v}"', f"seed={seed}"])
             shard(inputs, cfg, d, progress=True)
     return dirs
 
 
-def train_job(name: str, shards: Path, run: Path, *sets: str) -> Job | None:
+def train_job(name: str, shards: Path, run: Path, seed: int, *sets: str) -> Job | None:
     if rounds_done(run) >= ROUNDS:
         return None
     argv = [sys.executable, "-m", "dipaco.cli", "train", "--shards", str(shards), "--out", str(run), "--quiet",
-            "--rounds", str(ROUNDS), "--inner-steps", str(H), "--preset", "tiny"]
+            "--rounds", str(ROUNDS), "--inner-steps", str(H), "--preset", "tiny", "--set", f"seed={seed}"]
     for kv in sets:
         argv += ["--set", kv]
     if (run / "checkpoints").is_dir():
@@ -100,18 +101,24 @@ def cached_eval(out: Path, **kwargs) -> dict:
     return json.loads(out.read_text())
 
 
-def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
+def work_dir(out: Path, name: str, seed: int) -> Path:
+    return out / name if seed == 0 else out / f"{name}-seed{seed}"
+
+
+def one_corpus(name: str, out: Path, data: Path, jobs: int, seed: int = 0) -> dict:
     from dipaco.eval.perplexity import save_once_policy
     from dipaco.eval.window_router import fit_window_router
     from dipaco.shards import ShardSet
 
     began = time.perf_counter()
+    work = work_dir(out, name, seed)
     work.mkdir(parents=True, exist_ok=True)
-    inputs = corpus_inputs(name, work, data)
-    shards = make_shards(inputs, work)
+    (out / name).mkdir(parents=True, exist_ok=True)
+    inputs = corpus_inputs(name, out / name, data)
+    shards = make_shards(inputs, work, seed)
     runs = {v: work / "runs" / f"dipaco-{v}" for v in VARIANTS} | {"dense": work / "runs" / "dense"}
-    todo = [train_job(f"{name}-dipaco-{v}", shards[v], runs[v]) for v in VARIANTS]
-    todo.append(train_job(f"{name}-dense", shards["prefix"], runs["dense"], 'grid.shape="1"'))
+    todo = [train_job(f"{name}-dipaco-{v}", shards[v], runs[v], seed) for v in VARIANTS]
+    todo.append(train_job(f"{name}-dense", shards["prefix"], runs["dense"], seed, 'grid.shape="1"'))
     todo = [j for j in todo if j is not None]
     if todo:
         print(f"[train] {', '.join(j.name for j in todo)}, {jobs} at a time; logs in {work / 'logs'}")
@@ -151,6 +158,7 @@ def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
     routed, oracle, dense = m["dipaco"]["perplexity"], m["dipaco oracle"]["perplexity"], m["dense baseline"]["perplexity"]
     every = test_window["methods"][f"dipaco every-{W}"]
     window_oracle = test_window["methods"][f"dipaco window-oracle-{W}"]["perplexity"]
+    crossed = {k: test_window["methods"][f"dipaco {k} cross-fitted"]["perplexity"] for k in (f"window-oracle-{W}", "oracle")}
     manifest = ShardSet(shards[chosen]).manifest
     shard_routed = m["dipaco shard-router"]["perplexity"] if "dipaco shard-router" in m else routed
     figures = {
@@ -160,12 +168,16 @@ def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
         "dipaco_vs_dense_pct": 100 * (routed / dense - 1),
         f"every{W}_vs_once_pct": 100 * (every["perplexity"] / routed - 1),
         f"window_oracle{W}_vs_once_pct": 100 * (window_oracle / routed - 1),
+        f"window_oracle{W}_cross_fitted_vs_once_pct": 100 * (crossed[f"window-oracle-{W}"] / routed - 1),
+        "oracle_vs_once_pct": 100 * (oracle / routed - 1),
+        f"every{W}_vs_oracle_pct": 100 * (every["perplexity"] / oracle - 1),
     }
     return {
-        "corpus": name, "inputs": inputs, "chosen": chosen, "figures": figures,
+        "corpus": name, "seed": seed, "inputs": inputs, "chosen": chosen, "figures": figures,
         "heldout": {"documents": test[chosen]["documents"], "scored_tokens": m["dipaco"]["tokens"],
                     "routed": routed, "once_rule": once["name"], "shard_router": shard_routed, "oracle": oracle, "random": m["dipaco random"]["perplexity"], "dense": dense,
                     f"every{W}": every["perplexity"], f"every{W}_rule": policy["name"], f"window_oracle{W}": window_oracle,
+                    f"window_oracle{W}_cross_fitted": crossed[f"window-oracle-{W}"], "oracle_cross_fitted": crossed["oracle"],
                     f"every{W}_every_rule": every.get("every_rule_here"),
                     "other_variant_routed": test[[v for v in VARIANTS if v != chosen][0]]["methods"]["dipaco"]["perplexity"],
                     "per_label": {k: v["perplexity"] for k, v in m["dipaco"].get("per_label", {}).items()},
@@ -194,41 +206,79 @@ def one_corpus(name: str, work: Path, data: Path, jobs: int) -> dict:
 def table(results: list[dict]) -> str:
     lines = ["| corpus | variant (val) | once rule (router docs) | routed once | shard router | oracle | once / oracle "
              "| shard router / oracle | dense | DiPaCo vs dense | every-64 rule (val) | every-64 | vs once | window oracle-64 "
-             "| random |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+             "| cross-fitted | random |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         h, f = r["heldout"], r["figures"]
-        lines.append(f"| {r['corpus']} | {r['chosen']} | {h['once_rule']} | {h['routed']:.2f} | {h['shard_router']:.2f} "
+        lines.append(f"| {r['corpus']}{'' if not r.get('seed') else ' seed ' + str(r['seed'])} | {r['chosen']} | {h['once_rule']} | {h['routed']:.2f} | {h['shard_router']:.2f} "
                      f"| {h['oracle']:.2f} | {f['routed_over_oracle']:.3f} | {f['shard_router_over_oracle']:.3f} "
                      f"| {h['dense']:.2f} | {f['dipaco_vs_dense_pct']:+.1f}% | {h[f'every{W}_rule']} | {h[f'every{W}']:.2f} "
-                     f"| {f[f'every{W}_vs_once_pct']:+.1f}% | {h[f'window_oracle{W}']:.2f} | {h['random']:.2f} |")
+                     f"| {f[f'every{W}_vs_once_pct']:+.1f}% | {h[f'window_oracle{W}']:.2f} | {h[f'window_oracle{W}_cross_fitted']:.2f} "
+                     f"| {h['random']:.2f} |")
     return "\n".join(lines)
+
+
+def seeds_table(results: list[dict]) -> str:
+    """Every-64 vs once for each seed of a corpus measured under more than one seed: the spread next to the difference."""
+    lines = ["| corpus | seeds | every-64 vs once, each seed | mean | once / oracle, each seed | document oracle vs once |",
+             "| --- | ---: | --- | ---: | --- | --- |"]
+    for corpus in dict.fromkeys(r["corpus"] for r in results):
+        rs = sorted((r for r in results if r["corpus"] == corpus), key=lambda r: r.get("seed", 0))
+        if len(rs) < 2:
+            continue
+        gains = [r["figures"][f"every{W}_vs_once_pct"] for r in rs]
+        lines.append(f"| {corpus} | {', '.join(str(r.get('seed', 0)) for r in rs)} | "
+                     + ", ".join(f"{g:+.1f}%" for g in gains) + f" | {sum(gains) / len(gains):+.2f}% | "
+                     + ", ".join(f"{r['figures']['routed_over_oracle']:.3f}" for r in rs) + " | "
+                     + ", ".join(f"{100 * (r['heldout']['oracle'] / r['heldout']['routed'] - 1):+.1f}%" for r in rs) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def merged(path: Path, protocol: dict, results: list[dict]) -> dict:
+    """The summary at ``path`` with these results in place of earlier ones for the same (corpus, seed); other
+    corpora, seeds and notes that an earlier invocation (or a person) left there are kept."""
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    key = lambda r: (r["corpus"], r.get("seed", 0))  # noqa: E731
+    new = {key(r) for r in results}
+    kept = [r for r in old.get("results", []) if key(r) not in new]
+    order = {c: i for i, c in enumerate(("shared", "default", "fresh"))}
+    return old | {"protocol": old.get("protocol", {}) | protocol,
+                  "results": sorted(kept + results, key=lambda r: (order.get(r["corpus"], 9), r.get("seed", 0)))}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus", nargs="+", default=["shared", "default", "fresh"], choices=["shared", "default", "fresh"],
                    help="run several invocations with one corpus each to use more cores (each has its own folder)")
+    p.add_argument("--seed", nargs="+", type=int, default=[0],
+                   help="seeds of the whole protocol (sharding splits and k-means, initialisation, data order); seed 0 "
+                        "works in OUT/<corpus>, seed k in OUT/<corpus>-seed<k>; the corpus itself is the same")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared corpus (directory of *.jsonl[.gz])")
     p.add_argument("--out", type=Path, default=Path("bench/out/routing_quality"))
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "routing_quality_results.json",
-                   help="where the summary goes (besides OUT/routing_quality.json)")
+                   help="where the summary goes (besides OUT/routing_quality.json); results of other corpora and "
+                        "seeds already there are kept")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
     out = args.out.resolve()
-    results = [one_corpus(c, out / c, args.data, args.jobs) for c in args.corpus]
-    summary = {"protocol": {"grid": "2x2", "balance": 1.1, "vocab": 4096, "preset": "tiny", "rounds": ROUNDS,
-                            "inner_steps": H, "window": W, "shard_settings": SHARD_SETS,
-                            "choice": "cluster_on by routed perplexity on the validation documents"},
-               "results": results}
+    results = [one_corpus(c, out, args.data, args.jobs, seed) for c in args.corpus for seed in args.seed]
+    protocol = {"grid": "2x2", "balance": 1.1, "vocab": 4096, "preset": "tiny", "rounds": ROUNDS, "inner_steps": H,
+                "window": W, "shard_settings": SHARD_SETS,
+                "choice": "cluster_on by routed perplexity on the validation documents",
+                "once_rule": "chosen on the router documents (dipaco choose-routing; eval/once_policy.py)",
+                "seeds": "seed k sets the sharding seed (splits, samples, k-means) and the training seed"}
     for f in (out / "routing_quality.json", args.json):
+        summary = merged(f, protocol, results)
         f.write_text(json.dumps(summary, indent=1) + "\n")
     print()
     print(table(results))
+    spread = seeds_table(summary["results"])
+    if spread:
+        print("\nacross seeds (every result in " + str(args.json) + "):\n" + spread)
     print(f"\nwrote {out / 'routing_quality.json'} and {args.json}")
     return 0
 

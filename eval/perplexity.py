@@ -21,7 +21,10 @@ Methods:
                 "stay" (= routed) is always a candidate. Targets keep the context of their scoring
                 window, so with W >= the document length the result equals ``routed`` exactly.
   window-oracle-W  the best path for every W-token chunk (with the oracle): what every-W could reach
+  window-oracle-W cross-fitted  the same, but each chunk's even targets take the path best on its odd ones and the
+                other way round: the window oracle less its luck of choosing on the tokens it scores
   oracle        the path with the lowest loss on each whole document (a bound no router beats)
+  oracle cross-fitted  the document oracle chosen on one half of the targets and scored on the other
   random        a seeded uniform path per document
   early-stop    ``routed`` with each path at its round of lowest validation loss (metrics.jsonl)
   mixture-k     c-BTM: the k nearest paths, weights softmax(-d^2 / T) of the router distances
@@ -40,7 +43,8 @@ from dipaco.command_config import EvalCommandConfig as E  # the defaults, declar
 from dipaco.errors import DipacoError
 from dipaco.eval.once_policy import (choose_once, decide_once, once_candidates, once_rule_of, prefix_nll,
                                      router_log_prior)
-from dipaco.eval.window_policy import all_chunk_nll, candidates, choose, chunk_cuts, decide, rule_of
+from dipaco.eval.window_policy import (all_chunk_nll, candidates, choose, chunk_cuts, cross_fitted_oracle_nll, decide,
+                                       rule_of)
 from dipaco.io import write_json
 from dipaco.outputs import atomic_dir
 from dipaco.routing import Router
@@ -433,6 +437,9 @@ def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[in
         if oracle:  # the bound every-W routing could reach: the best path for every chunk, scored on the chunk
             best = [[run.grid.paths[int(j)] for j in c.argmin(axis=1)] if len(c) else [] for c in chunk_nll[w]]
             add(f"window-oracle-{w}", segments_of(cuts, best, r), routing=f"best path per {w}-token chunk (oracle)")
+            rows[f"{name} window-oracle-{w} cross-fitted"] = cross_fitted_row(
+                scorer, run.grid.paths, r, cuts, labels, base, f"best path per {w}-token chunk chosen on the chunk's "
+                "other half of the targets (even/odd positions), scored on this half")
             # every candidate rule on these documents too, for the record (the choice above was made on validation)
             rows[f"{name} every-{w}"]["every_rule_here"] = choose(
                 candidates(w, router.input.tokens, window is not None), cuts, routes, ids, run.grid.paths, chunk_nll[w],
@@ -456,7 +463,19 @@ def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[in
         best = [min(run.grid.paths, key=lambda p: float(scorer.nll(p, r, d, lo, len(x)).sum(dtype=np.float64)) if len(x) > lo else 0.0)
                 for d, x in enumerate(ids)]
         add("oracle", once_segments(best, ids, context, r), routing="best path per document (oracle)")
+        rows[f"{name} oracle cross-fitted"] = cross_fitted_row(
+            scorer, run.grid.paths, r, [[(lo, len(x))] if len(x) > lo else [] for x in ids], labels, base,
+            "best path per document chosen on the document's other half of the targets (even/odd positions), scored on this half")
     return rows
+
+
+def cross_fitted_row(scorer: Scorer, paths: list[str], r: int, cuts: list[list[tuple[int, int]]], labels: list,
+                     base: dict, routing: str) -> dict:
+    """A cross-fitted oracle's row (``cross_fitted_oracle_nll`` per span): perplexity, tokens, per label. Its choice
+    differs between the two halves of a span, so it has no per-path split."""
+    per_doc = [(sum(cross_fitted_oracle_nll(np.stack([scorer.nll(p, r, d, lo, hi) for p in paths])) for lo, hi in cs),
+                sum(hi - lo for lo, hi in cs)) for d, cs in enumerate(cuts)]
+    return summarise(per_doc, {}, labels) | base | {"routing": routing}
 
 
 def evaluate(runs: dict[str, str | Path], shards_dir: str | Path, round: int | None = None, progress: bool = True,

@@ -128,6 +128,18 @@ def all_chunk_nll(scorer, paths: list[str], r: int, cuts: list[list[tuple[int, i
             for d, cs in enumerate(cuts)]
 
 
+def cross_fitted_oracle_nll(nll: np.ndarray) -> float:
+    """NLL of one span (a chunk, a document) under its cross-fitted oracle: the targets at even positions take the path
+    whose loss is lowest on the odd ones, and the other way round. ``nll``: (P, targets), every path's per-target NLL.
+
+    The plain oracle (the path of lowest loss on the span, scored on that same span) also profits from choosing
+    whichever path got lucky on these particular tokens; with short spans and several paths that luck is a good part of
+    its lead. Choosing on one half and scoring on the other removes it: what is left is what knowing the span's own
+    text is worth to a one-path choice, an estimate of what any rule that picks one path per span could reach."""
+    even, odd = nll[:, 0::2].sum(axis=1, dtype=np.float64), nll[:, 1::2].sum(axis=1, dtype=np.float64)
+    return float(even[int(odd.argmin())] + odd[int(even.argmin())])
+
+
 def total_nll(choice: list[list[str]], chunk_nll: list[np.ndarray], paths: list[str]) -> float:
     index = {p: j for j, p in enumerate(paths)}
     return float(sum(chunk_nll[d][k, index[p]] for d, ps in enumerate(choice) for k, p in enumerate(ps)))

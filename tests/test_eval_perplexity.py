@@ -110,6 +110,20 @@ def test_route_every_w_uses_previous_window_and_full_context(run_dir, shards_2x2
     assert chosen <= w16["policy"]["validation"]["stay"] and w16["policy"]["window_oracle"] <= chosen
     oracle16 = report["methods"]["dipaco window-oracle-16"]
     assert oracle16["perplexity"] <= min(w16["perplexity"], once["perplexity"], report["methods"]["dipaco oracle"]["perplexity"])
+    # the cross-fitted oracles, by brute force on every held-out document: per chunk (per document), the even targets
+    # take the path best on the odd ones and the other way round
+    _, ids = heldout_tokens(shards, run.config.eval.max_tokens_per_doc)
+    per_target = [{p: _per_position_nll(m, x, seq_len) for p, m in models.items()} for x in ids]
+    for row, spans in (("dipaco window-oracle-16 cross-fitted", chunk_cuts(ids, 32, 16)),
+                       ("dipaco oracle cross-fitted", [[(32, len(x))] if len(x) > 32 else [] for x in ids])):
+        total = 0.0
+        for d, cs in enumerate(spans):
+            for lo, hi in cs:
+                halves = {p: (v[lo:hi][0::2].sum(), v[lo:hi][1::2].sum()) for p, v in per_target[d].items()}
+                on_odd, on_even = (min(halves, key=lambda p: halves[p][k]) for k in (1, 0))
+                total += halves[on_odd][0] + halves[on_even][1]
+        assert report["methods"][row]["tokens"] == once["tokens"]
+        assert report["methods"][row]["nll_sum"] == pytest.approx(total, rel=1e-5), row
 
 
 @pytest.mark.slow
@@ -173,7 +187,8 @@ def test_eval_cli_report_with_baseline_and_plots(run_dir, shards_2x2, tmp_path_f
     rep = json.loads(out.read_text())
     names = set(rep["methods"])
     assert names == {"dipaco", "dipaco every-32", "dipaco early-stop", "dipaco mixture-2", "dipaco random",
-                     "dipaco oracle", "dipaco window-oracle-32", "dense baseline"}
+                     "dipaco oracle", "dipaco window-oracle-32", "dense baseline",
+                     "dipaco window-oracle-32 cross-fitted", "dipaco oracle cross-fitted"}
     assert len({m["tokens"] for m in rep["methods"].values()}) == 1  # every row on the same tokens
     assert rep["methods"]["dense baseline"]["per_path"].keys() == {"0"}
     for f in ("report.md", "report.png", "report_rounds.png", "report_paths.png"):
