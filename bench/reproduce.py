@@ -451,7 +451,7 @@ def best_child(spec: dict) -> None:
     run, shards = corpus.runs / best, corpus.shard_dirs[sp.shards]
     W = s.route_every
     folder = run / "window_routers" / f"w{W}"
-    if not (folder / "policy.json").is_file():  # the window router, and the every-W rule chosen on validation
+    if not (folder / "policy.json").is_file():  # the window router, and the every-W rule chosen on the router documents
         fit_window_router(run, shards, W, max_tokens=max(4 * W, s.eval_tokens), progress=False, overwrite=folder.exists())
     window = json.loads((folder / "router.json").read_text()) if (folder / "router.json").is_file() else {}
     window["policy"] = json.loads((folder / "policy.json").read_text())
@@ -643,7 +643,7 @@ def markdown(name: str, res: dict, s: Scale, plots: dict[str, str]) -> str:
                           f"held-aside windows it picks the lowest-loss path {fmt(w['accuracy'], 3)} of the time (the "
                           f"document's path: {fmt(w['accuracy_document_path'], 3)})."]
         if best.get("policy"):
-            lines += ["", f"Every-{s.route_every} rule chosen on the validation documents: **{best['policy']['name']}** "
+            lines += ["", f"Every-{s.route_every} rule chosen on the router documents: **{best['policy']['name']}** "
                           f"({best['policy']['reason']})."]
     labels = sorted({l for r in res["runs"].values() for l in r.get("per_label", {})})
     if labels:

@@ -6,14 +6,14 @@ For each corpus (the shared five-domain corpus, the default corpus `dipaco quick
 and a fresh four-domain corpus from other files on the machine, ``bench/fresh_corpus.py``), with the quickstart's
 settings (grid 2x2, --balance 1.1, vocabulary 4096, the tiny path, 16 rounds x 50 inner steps, from scratch):
 
-  1. shard twice with one seed (so one tokenizer and the same held-out, router and validation documents):
+  1. shard twice with the run's seed (so one tokenizer and the same held-out, router and validation documents):
      k-means on the routing prefix (``cluster_on=prefix``), and k-means on whole-document features
      learned back from the prefix (``cluster_on=document``); both route by the first 32 tokens
   2. train DiPaCo 2x2 on each, and one dense model with the same inner steps as one path
   3. choose the variant by routed perplexity on the *validation* documents (never the held-out ones); each
      variant routes once by the rule its router documents choose (``dipaco.eval.once_policy``)
   4. ``dipaco choose-routing`` (the once rule, saved) and ``dipaco fit-window-router`` for W = 64 on the chosen
-     variant: the window router on the router documents, the every-64 rule chosen on the validation documents
+     variant: the window router on the router documents, the every-64 rule chosen on them too
   5. score the held-out documents: routed once (the chosen rule), the shard router alone, oracle, random, every-64
      with the chosen rule (and, for the record, every other rule), the window oracle, and the dense model (every
      row on the same tokens)
@@ -132,7 +132,7 @@ def one_corpus(name: str, out: Path, data: Path, jobs: int, seed: int = 0) -> di
     print(f"[choose] routed validation perplexity: " + ", ".join(f"{v} {p:.2f}" for v, p in val_ppl.items())
           + f" -> cluster_on={chosen}")
 
-    # every-64: the rule fit-window-router chooses on the validation documents, scored on the held-out ones (one
+    # every-64: the rule fit-window-router chooses on the router documents, scored on the held-out ones (one
     # evaluation of the chosen variant gives every row: its paths score each held-out window once)
     # routing once: the rule chosen on the router documents (dipaco choose-routing), saved before the every-W rule
     # is chosen, so that chunk 0 and "stay" follow it
@@ -143,7 +143,7 @@ def one_corpus(name: str, out: Path, data: Path, jobs: int, seed: int = 0) -> di
     once = json.loads(once_file.read_text())
     window_dir = runs[chosen] / "window_routers" / f"w{W}"
     if not (window_dir / "policy.json").is_file():
-        print(f"[window] fitting the every-{W} router of {runs[chosen]} and choosing its rule on validation")
+        print(f"[window] fitting the every-{W} router of {runs[chosen]} and choosing its rule on the router documents")
         rep = fit_window_router(runs[chosen], shards[chosen], W, progress=False, overwrite=window_dir.exists())
         if rep.get("warning"):
             print(f"[window] warning: {rep['warning']}")

@@ -244,6 +244,9 @@ def cmd_fit_window_router(args) -> None:
                             cfg.seed, args.overwrite, progress=not args.quiet)
     if rep.get("warning"):
         print(f"dipaco fit-window-router: warning: {rep['warning']}", file=sys.stderr)
+    if rep.get("once_saved"):
+        print(f"the run had no once rule: chose {rep['policy']['once_rule']} on the router documents and saved it to "
+              f"{rep['once_saved']} (as dipaco choose-routing does; every-W routing builds on it)")
     print(f"wrote {rep['out']}: {rep['examples']} windows of {rep['window']} tokens from {rep['router_documents']} router "
           f"documents (round {rep['round']}), {rep['seconds']:.0f} s")
     if rep["accuracy"] is not None:
@@ -253,8 +256,8 @@ def cmd_fit_window_router(args) -> None:
               f"(shard router {rep['loss_shard_router_previous_tokens']:.4f}, document path {rep['loss_document_path']:.4f}, "
               f"oracle {rep['loss_oracle']:.4f})")
     policy = rep["policy"]
-    print(f"every-{rep['window']} routing will use {policy['name']}: {policy['reason']}; validation perplexity of every rule: "
-          + ", ".join(f"{k} {v:.3f}" for k, v in sorted(policy["validation"].items(), key=lambda kv: kv[1])))
+    print(f"every-{rep['window']} routing will use {policy['name']}: {policy['reason']}; perplexity of every rule on the "
+          f"router documents: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(policy["scores"].items(), key=lambda kv: kv[1])))
 
 
 def cmd_choose_routing(args) -> None:

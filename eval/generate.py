@@ -64,8 +64,8 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
 
     The prompt is routed like a document: by the run's once rule (``dipaco choose-routing``; without one, the shard
     router on its first tokens). ``route_every`` W > 0 re-routes after every W new tokens with the run's every-W
-    rule (chosen on validation by ``dipaco fit-window-router``; without one, the shard router on the last 32
-    tokens); None does so when the run has exactly one fitted W, 0 never."""
+    rule (the best rule that runs one path, chosen on the router documents by ``dipaco fit-window-router``; without
+    one, the prompt's path throughout); None does so when the run has exactly one fitted W, 0 never."""
     if max_new_tokens < 1:
         raise DipacoError(f"--max-new-tokens {max_new_tokens} is not valid; ask for at least 1 token")
     if temperature < 0 or not 0 < top_p <= 1:
@@ -91,7 +91,7 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
     options = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
     eos = rr.run.info["eos_token_id"]
     window = rr.window_router(route_every) if route_every else None
-    rule, why = _rule(rr, route_every, window)
+    rule, why = _rule(rr, route_every)
     models, segments, context, first = {}, [], ids, chosen
     while len(new := context[0, ids.shape[1]:].tolist()) < max_new_tokens and (not new or new[-1] != eos):
         if segments:  # what came before the next segment chooses its path
@@ -140,20 +140,23 @@ def _route_once(rr: RoutedRun, prompt: str, round) -> tuple[str, str, list[str]]
     return chosen, f"once, {rule.name}: {rule.describe(context)} ({policy['reason']})", paths
 
 
-def _rule(rr: RoutedRun, w: int, window) -> tuple[Rule, str]:
-    """The every-W rule: the best rule that runs one path, chosen on validation for this run (``policy.json``; a
-    policy from before that choice existed: its rule), else the window router, else the shard router on the last
-    tokens."""
-    from dipaco.eval.perplexity import policy_file
+def _rule(rr: RoutedRun, w: int) -> tuple[Rule, str]:
+    """The every-W rule: the best rule that runs one path, chosen on the router documents for this run
+    (``policy.json``). Without one, or with one an earlier dipaco chose on the validation documents or against
+    another once rule, "stay": the prompt's path throughout, never worse than routing once."""
+    from dipaco.eval.perplexity import once_policy_file, policy_file
 
     f = policy_file(rr.run, w) if w else None
-    if f is not None and f.is_file():
-        policy = json.loads(f.read_text(encoding="utf-8"))
-        policy = policy.get("one_path") or policy
-        return rule_of(policy["chosen"]), f"chosen on validation: {policy['reason']}"
-    if window is not None:
-        return Rule("window-router"), "the run's window router (fitted before rules were chosen on validation)"
-    return Rule("shard-router", lookback=rr.router.input.tokens), f"no rule fitted for {w}; fit one with dipaco fit-window-router"
+    if f is None or not f.is_file():
+        return Rule("stay"), f"no every-{w} rule chosen for this run; choose one with dipaco fit-window-router"
+    policy = json.loads(f.read_text(encoding="utf-8"))
+    once_file = once_policy_file(rr.run)
+    once = json.loads(once_file.read_text(encoding="utf-8"))["name"] if once_file.is_file() else "shard-router"
+    if policy.get("split") != "router_docs" or policy.get("once_rule", "shard-router") != once:
+        return Rule("stay"), (f"{f} was chosen on the validation documents or for another once rule; re-run dipaco "
+                              f"fit-window-router --overwrite")
+    one = policy.get("one_path") or policy
+    return rule_of(one["chosen"]), f"chosen on the router documents: {one['reason']}"
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ Methods:
   shard-router  the shard router alone, when another rule was chosen (the paper's routing once)
   every-W       chunk 0 (W targets) takes the document's routed path; chunk k >= 1 the path a rule picks
                 from what came before it (``dipaco.eval.window_policy``): the rule chosen on the
-                validation documents (by ``dipaco fit-window-router``, or here for a run without one);
+                router documents (by ``dipaco fit-window-router``, or here for a run without one);
                 "stay" (= routed) is always a candidate. Targets keep the context of their scoring
                 window, so with W >= the document length the result equals ``routed`` exactly.
   window-oracle-W  the best path for every W-token chunk (with the oracle): what every-W could reach
@@ -292,36 +292,46 @@ def policy_file(run: Run, w: int) -> Path:
 
 def every_w_policy(run: Run, shards: ShardSet, w: int, r: int, window_router: BaseRouter | None, once: dict,
                    progress: bool = True) -> dict:
-    """The rule of every-W routing for this run: the one ``dipaco fit-window-router`` chose on the validation documents
-    (``RUN/window_routers/w<W>/policy.json``), or, for a run without one (or one chosen against another once rule than
-    ``once``, the run's ``once_policy``: its "stay" was another routing once), the one the validation documents choose
-    now among the rules that need no fitting."""
+    """The rule of every-W routing for this run: the one ``dipaco fit-window-router`` chose on the router documents
+    (``RUN/window_routers/w<W>/policy.json``), or, for a run without one (or one chosen on the validation documents by an
+    earlier dipaco, or against another once rule than ``once``, the run's ``once_policy``: its "stay" was another
+    routing once), the one the router documents choose now among the rules that need no fitting."""
     f = policy_file(run, w)
+    why = "chosen now on the router documents"
     if f.is_file():
         saved = json.loads(f.read_text(encoding="utf-8"))
-        if saved.get("once_rule", "shard-router") == once["name"]:
+        if saved.get("split") != "router_docs":
+            why += f": {f} was chosen on the validation documents (re-run dipaco fit-window-router)"
+        elif saved.get("once_rule", "shard-router") != once["name"]:
+            why += f": {f} was chosen when routing once used {saved.get('once_rule', 'shard-router')}"
+        else:
             return saved | {"source": str(f)}
-        why = f"chosen now on the validation documents: {f} was chosen when routing once used {saved.get('once_rule', 'shard-router')}"
-    else:
-        why = "chosen now on the validation documents"
-    return choose_on_validation(run, shards, w, r, window_router, progress, once) | {"source": why}
+    return choose_on_router_docs(run, shards, w, r, once, progress) | {"source": why}
 
 
-def choose_on_validation(run: Run, shards: ShardSet, w: int, r: int, window_router: BaseRouter | None,
-                         progress: bool = True, once: dict | None = None) -> dict:
-    """Every candidate rule scored on every chunk of the validation documents (never the held-out ones); the best.
-    Chunk 0, and the rule "stay", follow the run's once rule (``once``, or its saved or freshly chosen one)."""
+def choose_on_router_docs(run: Run, shards: ShardSet, w: int, r: int, once: dict, progress: bool = True) -> dict:
+    """The every-W rule among those that need no fitting (stay, the shard router, the lagged loss), chosen on every
+    chunk of the router documents (never the validation or held-out ones: ``dipaco.eval.window_policy`` says why)."""
+    ids = router_tokens(shards, run.config.eval.max_tokens_per_doc)
+    scorer = Scorer(run, ids, run.config.eval.batch_size, progress)
+    chunk_nll = all_chunk_nll(scorer, run.grid.paths, r, chunk_cuts(ids, run.config.eval.context_tokens, w))
+    routes = route_once(run, shard_router(shards, run.config.eval.context_tokens), scorer, ids, r, once)
+    return choose_every_w(run, shards, w, r, once, ids, chunk_nll, routes)
+
+
+def choose_every_w(run: Run, shards: ShardSet, w: int, r: int, once: dict, ids: list[list[int]],
+                   chunk_nll: list[np.ndarray], routes: list[str], window_router: BaseRouter | None = None,
+                   window_logits: np.ndarray | None = None) -> dict:
+    """Every candidate rule scored on every chunk of the router documents ``ids`` (``chunk_nll``: every path's loss on
+    each; ``routes``: each document's path by the once rule ``once``, for chunk 0 and "stay"); the best, as saved in
+    policy.json. The window-router rules need the fitted ``window_router`` and, since it was fitted on these documents,
+    its out-of-fold ``window_logits``."""
     context = run.config.eval.context_tokens
     router = shard_router(shards, context)
-    _, ids = validation_tokens(shards, run.config.eval.max_tokens_per_doc)
-    cuts = chunk_cuts(ids, context, w)
-    scorer = Scorer(run, ids, run.config.eval.batch_size, progress)
-    chunk_nll = all_chunk_nll(scorer, run.grid.paths, r, cuts)
     rules = candidates(w, router.input.tokens, window_router is not None)
-    once = once or once_policy(run, shards, r, progress)
-    routes = route_once(run, router, scorer, ids, r, once)
-    out = choose(rules, cuts, routes, ids, run.grid.paths, chunk_nll, router, window_router)
-    return out | {"window": w, "round": r, "split": "val", "documents": len(ids), "once_rule": once["name"]}
+    out = choose(rules, chunk_cuts(ids, context, w), routes, ids, run.grid.paths, chunk_nll, router, window_router,
+                 window_logits)
+    return out | {"window": w, "round": r, "split": "router_docs", "documents": len(ids), "once_rule": once["name"]}
 
 
 def check_mixture(k: int, run: Run) -> None:
@@ -426,24 +436,24 @@ def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[in
             chunk_nll[w] = all_chunk_nll(scorer, run.grid.paths, r, cuts)
         choice = decide(rule, cuts, routes, ids, run.grid.paths, router, window, chunk_nll.get(w))
         add(f"every-{w}", segments_of(cuts, choice, r), routing=f"every {w} tokens, {rule.name}: {rule.describe(w)}; "
-            f"chosen on the validation documents ({policy['reason']})", policy=policy,
+            f"chosen on the router documents ({policy['reason']})", policy=policy,
             window_router=str(window_router_dir(run, w)) if window else None)
         single = policy.get("one_path")
         if single and single["name"] != policy["name"]:  # what serving one path at a time gets
             one = rule_of(single["chosen"])
             add(f"every-{w} one-path", segments_of(cuts, decide(one, cuts, routes, ids, run.grid.paths, router, window), r),
                 routing=f"every {w} tokens, {one.name}: {one.describe(w)}; the best rule that runs one path, chosen on "
-                        f"the validation documents ({single['reason']})", policy=single)
+                        f"the router documents ({single['reason']})", policy=single)
         if oracle:  # the bound every-W routing could reach: the best path for every chunk, scored on the chunk
             best = [[run.grid.paths[int(j)] for j in c.argmin(axis=1)] if len(c) else [] for c in chunk_nll[w]]
             add(f"window-oracle-{w}", segments_of(cuts, best, r), routing=f"best path per {w}-token chunk (oracle)")
             rows[f"{name} window-oracle-{w} cross-fitted"] = cross_fitted_row(
                 scorer, run.grid.paths, r, cuts, labels, base, f"best path per {w}-token chunk chosen on the chunk's "
                 "other half of the targets (even/odd positions), scored on this half")
-            # every candidate rule on these documents too, for the record (the choice above was made on validation)
+            # every candidate rule on these documents too, for the record (the choice above was made on router documents)
             rows[f"{name} every-{w}"]["every_rule_here"] = choose(
                 candidates(w, router.input.tokens, window is not None), cuts, routes, ids, run.grid.paths, chunk_nll[w],
-                router, window)["validation"]
+                router, window)["scores"]
     if early_stopping:
         picks = early_stopping_rounds(run)
         add("early-stop", once_segments(routes, ids, context, picks), routing="once", round=None, rounds=picks)

@@ -13,9 +13,10 @@ Losses are computed exactly as ``dipaco eval`` scores (same windows, the routing
 at the run's latest round unless told otherwise. The router is saved with the run
 (``RUN/window_routers/w<W>/``) with ``policy.json``: the every-W rule (``dipaco.eval.window_policy``: stay on the
 document's path, the shard router, this window router with a switching margin, or the lagged loss of every path)
-chosen on the validation documents; ``dipaco eval --route-every W`` uses that rule. With too few router windows no
+chosen on the same router documents, the window router's rules scored out of fold (each document's windows decided by
+a router fitted on the other folds); ``dipaco eval --route-every W`` uses that rule. With too few router windows no
 router is fitted (a warning) and the policy is chosen among the rules that need none (routing once unless one is
-better on validation).
+better on the router documents, and always with too few of them).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import numpy as np
 
 from dipaco.command_config import WindowRouterConfig as W  # the defaults, declared once
 from dipaco.errors import DipacoError
-from dipaco.eval.perplexity import (Scorer, check_compatible, choose_on_validation, once_policy, route_once, shard_router,
-                                   window_router_dir)
+from dipaco.eval.perplexity import (Scorer, check_compatible, choose_every_w, once_policy, once_policy_file, route_once,
+                                   save_once_policy, shard_router, window_router_dir)
 from dipaco.eval.window_policy import all_chunk_nll, chunk_cuts
 from dipaco.io import write_json
 from dipaco.outputs import atomic_dir
@@ -39,6 +40,7 @@ from dipaco.shards import ShardSet
 
 
 MIN_WINDOWS = 200  # fewer router windows than max(this, 25 per path): no window router is fitted
+FOLDS = 5  # the window-router rules are scored on each fold of router documents by a router fitted on the others
 
 
 def window_examples(ids: list[list[int]], context: int, w: int) -> list[tuple[int, int, int]]:
@@ -73,32 +75,40 @@ def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, 
     if r not in run.rounds:
         raise DipacoError(f"run {run.root} has no round {r}; available: {run.rounds}")
 
-    once = once_policy(run, shards, r, progress)  # the document's path (chunk 0) and "stay" follow it
+    # the document's path (chunk 0) and "stay" follow the run's once rule; a run without one gets it chosen and saved
+    # (RUN/routing/once.json, as `dipaco choose-routing` does), so that generate routes by the rule this policy builds on
+    saved_once = None
+    if not once_policy_file(run).parent.exists():
+        once = save_once_policy(run.root, shards.root, r, progress=progress)
+        saved_once = once["out"]
+    else:
+        once = once_policy(run, shards, r, progress)
     docs = shards.router_docs()
     ids = [t[:max_tokens] for t in encode(shards.tokenizer(), [d["text"] for d in docs])]
     examples = window_examples(ids, context, window)
     paths = run.grid.paths
+    # every path's loss on every chunk of every router document, as eval computes it; each document's path by the
+    # run's once rule, as eval routes chunk 0
+    scorer = Scorer(run, ids, run.config.eval.batch_size, progress)
+    chunk_nll = all_chunk_nll(scorer, paths, r, chunk_cuts(ids, context, window))
+    document_paths = route_once(run, router, scorer, ids, r, once)
     enough = max(MIN_WINDOWS, 25 * len(paths))
-    if len(examples) < enough:  # no classifier: the rules that need no fitting, chosen on validation (stay included)
-        policy = choose_on_validation(run, shards, window, r, None, progress, once)
+    if len(examples) < enough:  # no classifier: the rules that need no fitting (stay included)
+        policy = choose_every_w(run, shards, window, r, once, ids, chunk_nll, document_paths)
         warning = (f"the router documents of {shards.root} give only {len(examples)} windows of {window} tokens (fewer "
                    f"than {enough}), too few to fit a window router; every-{window} routing uses {policy['name']} "
                    f"({policy['reason']}). Re-shard with a larger data.router_fraction to fit one")
         with atomic_dir(out, overwrite=overwrite) as tmp:
             write_json(tmp / "policy.json", policy)
         return {"window": window, "round": r, "examples": len(examples), "router_documents": len(ids), "accuracy": None,
-                "warning": warning, "policy": policy, "seconds": round(time.perf_counter() - began, 2), "out": str(out)}
+                "warning": warning, "policy": policy, "once_saved": saved_once, "seconds": round(time.perf_counter() - began, 2),
+                "out": str(out)}
 
-    # every path's loss on every chunk after the first of every router document, as eval computes it
-    scorer = Scorer(run, ids, run.config.eval.batch_size, progress)
-    chunk_nll = all_chunk_nll(scorer, paths, r, chunk_cuts(ids, context, window))
     losses = np.concatenate([c[1:] for c in chunk_nll])  # in the order of ``examples``
     labels = losses.argmin(axis=1)
     windows = [ids[d][lo - window:lo] for d, lo, _ in examples]
     prefix = router.input.with_tokens(window)
     x = router.features.transform(prefix.texts_of_ids(windows))
-    # the path the document is on: the run's once rule, as eval routes chunk 0
-    document_paths = route_once(run, router, scorer, ids, r, once)
     document = np.array([paths.index(p) for p in document_paths])[[d for d, _, _ in examples]]
 
     # accuracy on held-aside documents (whole documents, so no window leaks), then the final fit on all
@@ -131,11 +141,33 @@ def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, 
                                   f"path, label = the path with the lowest loss on the next {window}",
                        "run": str(run.root.resolve()), "shards_fingerprint": shards.fingerprint,
                        **{k: v for k, v in report.items() if k != "label_shares"}})
-    policy = choose_on_validation(run, shards, window, r, final, progress, once)  # which rule every-W routing uses
+    # which rule every-W routing uses, chosen on these documents: the window router's rules with out-of-fold decisions
+    folds = np.random.default_rng(seed).permutation(len(ids)) % FOLDS
+    held_out_logits = out_of_fold_logits(router, x, document, labels, folds[[d for d, _, _ in examples]], prefix, seed)
+    policy = choose_every_w(run, shards, window, r, once, ids, chunk_nll, document_paths, final, held_out_logits)
     with atomic_dir(out, overwrite=overwrite) as tmp:
         final.save(tmp)
         write_json(tmp / "policy.json", policy)
     report["policy"] = policy
+    report["once_saved"] = saved_once
     report["seconds"] = round(time.perf_counter() - began, 2)
     report["out"] = str(out)
     return report
+
+
+def out_of_fold_logits(router, x: np.ndarray, document: np.ndarray, labels: np.ndarray, fold: np.ndarray, prefix,
+                       seed: int) -> np.ndarray:
+    """The window router's logits for every example (a window of a router document), each from a router fitted on the
+    other folds of documents: how the window-router rules are scored on the documents the router is fitted on. A fold
+    with nothing left to fit on (every document in it) gets logits that keep the document's path."""
+    paths = int(np.prod(router.shape))
+    out = np.zeros((len(labels), paths))
+    out[np.arange(len(labels)), document] = 1.0
+    for f in np.unique(fold):
+        inside = fold == f
+        if inside.all():
+            continue
+        shares = np.bincount(labels[~inside], minlength=paths).astype(np.float64) + 1.0
+        model = fit_window(router.features, x[~inside], document[~inside], labels[~inside], router.shape, shares, prefix, seed)
+        out[inside] = model.window_logits(x[inside], document[inside])
+    return out

@@ -101,13 +101,13 @@ def test_route_every_w_uses_previous_window_and_full_context(run_dir, shards_2x2
     assert len({mix[0][0] for _, _, mix in segs[0]}) > 1  # the chunks really switch paths
     want = sum(brute[mix[0][0]][lo:hi].sum() for lo, hi, mix in segs[0])
     assert per_doc[0][0] == pytest.approx(want, rel=1e-5)
-    # the report's every-16 row: a rule chosen on the validation documents (the run has no fitted one), never worse
+    # the report's every-16 row: a rule chosen on the router documents (the run has no fitted one), never worse
     # than routing once there; the window oracle is below both on the held-out documents
     w16, once = report["methods"]["dipaco every-16"], report["methods"]["dipaco"]
     assert w16["tokens"] == once["tokens"] and math.isfinite(w16["perplexity"])
-    assert "chosen on the validation documents" in w16["routing"] and w16["policy"]["split"] == "val"
-    chosen = w16["policy"]["validation"][w16["policy"]["name"]]
-    assert chosen <= w16["policy"]["validation"]["stay"] and w16["policy"]["window_oracle"] <= chosen
+    assert "chosen on the router documents" in w16["routing"] and w16["policy"]["split"] == "router_docs"
+    chosen = w16["policy"]["scores"][w16["policy"]["name"]]
+    assert chosen <= w16["policy"]["scores"]["stay"] and w16["policy"]["window_oracle"] <= chosen
     oracle16 = report["methods"]["dipaco window-oracle-16"]
     assert oracle16["perplexity"] <= min(w16["perplexity"], once["perplexity"], report["methods"]["dipaco oracle"]["perplexity"])
     # the cross-fitted oracles, by brute force on every held-out document: per chunk (per document), the even targets

@@ -133,7 +133,7 @@ def test_choose_routing_reads_only_router_documents_and_eval_and_generate_follow
     stale = run_copy / "window_routers" / "w1000000"
     stale.mkdir(parents=True)
     (stale / "policy.json").write_text(json.dumps({"chosen": {"kind": "stay"}, "name": "stay", "reason": "old",
-                                                   "once_rule": "shard-router"}))
+                                                   "once_rule": "shard-router", "split": "router_docs"}))
     rep = perplexity.evaluate({"dipaco": run_copy}, shards_2x2, progress=False, oracle=True, route_every=[10**6])
     assert "when routing once used shard-router" in rep["methods"]["dipaco every-1000000"]["policy"]["source"]
     routed, shard_row = rep["methods"]["dipaco"], rep["methods"]["dipaco shard-router"]

@@ -45,7 +45,7 @@ def test_reproduce_tiny_end_to_end_and_resume(corpus_file, tmp_path):
     best = c["best_dipaco"]
     assert best["run"] in {n for n in runs if n.startswith(("dipaco", "stream"))}
     assert {"once", "every-16", "oracle", "random", "early-stop", "mixture-2"} <= set(best["rows"])
-    assert "chosen on the validation documents" in best["rows"]["every-16"]["routing"]
+    assert "chosen on the router documents" in best["rows"]["every-16"]["routing"]
     assert best["rows"]["window-oracle-16"]["perplexity"] <= best["rows"]["every-16"]["perplexity"]
     assert best["rows"]["oracle"]["perplexity"] <= best["rows"]["once"]["perplexity"]
     # every expectation id is there for the corpus, with a verdict or "pending" (tiny runs streaming in one process:

@@ -68,9 +68,9 @@ def test_the_window_oracle_bounds_every_rule_and_the_best_is_chosen():
     rules = [r for r in rules if r.kind != "shard-router"]  # no router in this fixture
     out = choose(rules, cuts, first, [[]] * 40, PATHS, nll)
     assert out["chunks"] == 40 * 7 >= MIN_CHUNKS
-    assert all(out["window_oracle"] <= v + 1e-12 for v in out["validation"].values())
-    assert out["name"] == min(out["validation"], key=out["validation"].get) and out["chosen"]["kind"] == "lagged-loss"
-    assert out["validation"][out["name"]] < out["validation"]["stay"]
+    assert all(out["window_oracle"] <= v + 1e-12 for v in out["scores"].values())
+    assert out["name"] == min(out["scores"], key=out["scores"].get) and out["chosen"]["kind"] == "lagged-loss"
+    assert out["scores"][out["name"]] < out["scores"]["stay"]
     assert out["one_path"]["name"] == "stay"  # the only rule here that runs one path per chunk
 
 
@@ -78,7 +78,7 @@ def test_too_few_validation_chunks_keep_routing_once():
     cuts, first, nll = synthetic(docs=5, chunks=8)
     rules = [Rule("stay"), Rule("lagged-loss", 0.0, 1)]
     out = choose(rules, cuts, first, [[]] * 5, PATHS, nll)
-    assert out["validation"]["lagged-loss n=1 m=0"] < out["validation"]["stay"]  # it looks better, on 35 chunks
+    assert out["scores"]["lagged-loss n=1 m=0"] < out["scores"]["stay"]  # it looks better, on 35 chunks
     assert out["name"] == "stay" and "too few" in out["reason"]
 
 

@@ -65,38 +65,50 @@ def test_eval_and_generate_use_the_window_router(fitted):
     rep = evaluate({"d": run}, shards, progress=False, route_every=[W, 24])
     m = rep["methods"]
     assert m[f"d every-{W}"]["window_router"] and m[f"d every-{W}"]["policy"]["source"].endswith("policy.json")
-    assert m["d every-24"]["policy"]["source"] == "chosen now on the validation documents"  # no fitted rule for 24
+    assert m["d every-24"]["policy"]["source"] == "chosen now on the router documents"  # no fitted rule for 24
     assert m[f"d every-{W}"]["tokens"] == m["d"]["tokens"] == m["d every-24"]["tokens"]
+    # the run had no once rule: fit-window-router chose one and saved it, so generate routes by what the policy builds on
+    once = json.loads((run / "routing" / "once.json").read_text())
+    assert m[f"d every-{W}"]["policy"]["once_rule"] == once["name"] == m["d"]["once_policy"]["name"]
     rr = load(run, shards)
     assert rr.window_sizes() == [W]
     prompt = json.loads((shards / "heldout" / "docs.jsonl").read_text().splitlines()[0])["text"][:200]
     g = generate(rr, prompt, max_new_tokens=3 * W, seed=0)  # the run has one fitted W: its rule is used
     policy = json.loads((run / "window_routers" / f"w{W}" / "policy.json").read_text())
     assert (policy.get("one_path") or policy)["name"] in g.router and sum(n for _, n in g.segments) == g.new_tokens
-    assert len(g.segments) == -(-g.new_tokens // W) and g.segments[0][0] == rr.route([prompt])[0]
-    assert abs(sum(w for _, w in g.paths) - 1.0) < 1e-9
     one = generate(rr, prompt, max_new_tokens=3 * W, seed=0, route_every=0)
-    assert len(one.segments) == 1 and one.router.startswith("shard router")
+    assert len(g.segments) == -(-g.new_tokens // W) and g.segments[0][0] == one.segments[0][0]
+    assert abs(sum(w for _, w in g.paths) - 1.0) < 1e-9
+    assert len(one.segments) == 1 and once["name"] in one.router
     if len({p for p, _ in g.segments}) == 1:  # the same path throughout: the same greedy text
         assert one.text == g.text
     # every rule runs in generation too: the window router, and the lagged loss (which loads every path)
     folder = run / "window_routers" / f"w{W}"
     saved = (folder / "policy.json").read_text()
+    prefix_loss = once["name"] != "shard-router"  # then every path reads the prompt to route it
     try:
-        for kind, loads_all in (("window-router", False), ("lagged-loss", True)):
+        for kind, loads_all in (("window-router", prefix_loss), ("lagged-loss", True)):
             (folder / "policy.json").write_text(json.dumps({"chosen": {"kind": kind, "margin": 0.0, "lookback": 1},
-                                                            "reason": "a test"}))
+                                                            "reason": "a test", "split": "router_docs",
+                                                            "once_rule": once["name"]}))
             g = generate(rr, prompt, max_new_tokens=3 * W, seed=0)
             assert kind in g.router and len(g.segments) == -(-g.new_tokens // W)
             assert (g.bytes_loaded == g.bytes_total) == loads_all
+        # a rule an earlier dipaco chose on the validation documents is not followed: the prompt keeps its path
+        (folder / "policy.json").write_text(json.dumps({"chosen": {"kind": "shard-router", "lookback": 32},
+                                                        "reason": "old", "split": "val", "once_rule": once["name"]}))
+        g = generate(rr, prompt, max_new_tokens=3 * W, seed=0)
+        assert "stay" in g.router and "validation" in g.router and {p for p, _ in g.segments} == {one.segments[0][0]}
+        assert "chosen on the validation" in evaluate({"d": run}, shards, progress=False, route_every=[W])["methods"][
+            f"d every-{W}"]["policy"]["source"]
     finally:
         (folder / "policy.json").write_text(saved)
 
 
 @pytest.mark.slow
-def test_too_few_router_windows_warn_and_fall_back_on_validation(shards_2x2, tmp_path_factory, capsys, monkeypatch):
+def test_too_few_router_windows_warn_and_keep_routing_once(shards_2x2, tmp_path_factory, capsys, monkeypatch):
     """The session shards keep 0.5% router documents: far too few windows. No window router is fitted; one line
-    warns; the every-W rule is chosen among those that need no fitting, on validation documents only."""
+    warns; the every-W rule is chosen on the router documents only, and with that few chunks it is routing once."""
     import shutil
 
     import dipaco.eval.perplexity as perplexity
@@ -104,15 +116,15 @@ def test_too_few_router_windows_warn_and_fall_back_on_validation(shards_2x2, tmp
     run = tmp_path_factory.mktemp("few") / "run"
     shutil.copytree(trained_run(tmp_path_factory, shards_2x2, *PRIVATE), run)
     monkeypatch.setattr(perplexity, "heldout_tokens", lambda *a, **k: pytest.fail("the choice read held-out documents"))
+    monkeypatch.setattr(perplexity, "validation_tokens", lambda *a, **k: pytest.fail("the choice read validation documents"))
     assert main(["fit-window-router", "--run", str(run), "--shards", str(shards_2x2), "--window", str(W), "--quiet"]) == 0
     err = capsys.readouterr().err
     assert err.count("warning:") == 1 and "too few to fit a window router" in err
     folder = run / "window_routers" / f"w{W}"
     assert not (folder / "router.json").exists()
     policy = json.loads((folder / "policy.json").read_text())
-    assert policy["split"] == "val" and policy["chosen"]["kind"] in ("stay", "shard-router", "lagged-loss")
-    assert all(v >= policy["window_oracle"] for v in policy["validation"].values())
-    assert policy["validation"][policy["name"]] <= policy["validation"]["stay"]
+    assert policy["split"] == "router_docs" and policy["name"] == policy["one_path"]["name"] == "stay"
+    assert policy["chunks"] < 200 and all(v >= policy["window_oracle"] for v in policy["scores"].values())
     monkeypatch.undo()
     rep = evaluate({"d": run}, shards_2x2, progress=False, route_every=[W])
     assert rep["methods"][f"d every-{W}"]["policy"]["name"] == policy["name"]
