@@ -1,6 +1,6 @@
 """Routing quality under the quickstart protocol: is the router that shards the one that answers well?
 
-    python bench/routing_quality.py [--corpus shared default] [--out bench/out/routing_quality] [--jobs 2]
+    python bench/routing_quality.py [--corpus shared default fresh] [--seed 0 1 2] [--out bench/out/routing_quality] [--jobs 2]
 
 For each corpus (the shared five-domain corpus, the default corpus `dipaco quickstart` builds from the machine,
 and a fresh four-domain corpus from other files on the machine, ``bench/fresh_corpus.py``), with the quickstart's
@@ -15,12 +15,15 @@ settings (grid 2x2, --balance 1.1, vocabulary 4096, the tiny path, 16 rounds x 5
   4. ``dipaco choose-routing`` (the once rule, saved) and ``dipaco fit-window-router`` for W = 64 on the chosen
      variant: the window router on the router documents, the every-64 rule chosen on them too
   5. score the held-out documents: routed once (the chosen rule), the shard router alone, oracle, random, every-64
-     with the chosen rule (and, for the record, every other rule), the window oracle, and the dense model (every
-     row on the same tokens)
+     with the chosen rule (and, for the record, every other rule), the window oracle and its cross-fitted version
+     (chosen on half of each chunk's targets, scored on the other half), and the dense model (every row on the same
+     tokens)
 
 It prints per corpus: the once rule, routed once / oracle (and the shard router's), DiPaCo vs dense, the every-64
-rule and every-64 vs once, the window oracle, and writes everything to OUT/routing_quality.json and
-bench/routing_quality_results.json. Re-running resumes: finished shards, runs and reports are reused (delete
+rule and every-64 vs once, the window oracles, and, for a corpus measured under several seeds (``--seed``: the
+sharding splits and k-means, initialisation and data order; the corpus stays the same), every-64 vs once for each.
+Everything goes to OUT/routing_quality.json and bench/routing_quality_results.json, where the results of other
+corpora and seeds already there are kept. Re-running resumes: finished shards, runs and reports are reused (delete
 OUT/<corpus>/reports and the runs' routing/ and window_routers/ folders to choose and score again). Training runs
 as `--jobs` processes at a time, one thread each.
 """
@@ -205,7 +208,7 @@ def one_corpus(name: str, out: Path, data: Path, jobs: int, seed: int = 0) -> di
 
 def table(results: list[dict]) -> str:
     lines = ["| corpus | variant (val) | once rule (router docs) | routed once | shard router | oracle | once / oracle "
-             "| shard router / oracle | dense | DiPaCo vs dense | every-64 rule (val) | every-64 | vs once | window oracle-64 "
+             "| shard router / oracle | dense | DiPaCo vs dense | every-64 rule (router docs) | every-64 | vs once | window oracle-64 "
              "| cross-fitted | random |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
