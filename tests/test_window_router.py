@@ -129,3 +129,33 @@ def test_too_few_router_windows_warn_and_keep_routing_once(shards_2x2, tmp_path_
     rep = evaluate({"d": run}, shards_2x2, progress=False, route_every=[W])
     assert rep["methods"][f"d every-{W}"]["policy"]["name"] == policy["name"]
     assert rep["methods"][f"d every-{W}"]["window_router"] is None
+
+
+def test_window_router_rules_are_scored_out_of_fold():
+    """The every-W rule is chosen on the router documents the window router is fitted on, so its rules are scored
+    with logits from routers that never saw the document: each fold's logits are those of a fit on the other folds,
+    and on labels that are pure noise the in-sample router looks far better than chance while out of fold it is not."""
+    from types import SimpleNamespace
+
+    from dipaco.eval.window_router import out_of_fold_logits
+    from dipaco.routing.discriminative import fit_window
+
+    rng = np.random.default_rng(0)
+    n, paths = 400, 4
+    x = rng.normal(size=(n, 64))
+    labels = rng.integers(0, paths, n)  # nothing in x predicts them
+    document = rng.integers(0, paths, n)
+    fold = rng.permutation(n) % 5
+    router = SimpleNamespace(features=None, shape=(2, 2))
+    logits = out_of_fold_logits(router, x, document, labels, fold, None, seed=0)
+    inside = fold == 3
+    shares = np.bincount(labels[~inside], minlength=paths) + 1.0
+    alone = fit_window(None, x[~inside], document[~inside], labels[~inside], (2, 2), shares, None, 0)
+    assert np.allclose(logits[inside], alone.window_logits(x[inside], document[inside]), atol=1e-5)
+    in_sample = fit_window(None, x, document, labels, (2, 2), np.bincount(labels, minlength=paths) + 1.0, None, 0)
+    accuracy_in = (in_sample.window_logits(x, document).argmax(axis=1) == labels).mean()
+    accuracy_out = (logits.argmax(axis=1) == labels).mean()
+    assert accuracy_in > 0.4 and accuracy_out < 0.33, (accuracy_in, accuracy_out)  # chance: 0.25
+    # a fold that holds every example has nothing to fit on: its windows keep the document's path
+    kept = out_of_fold_logits(router, x[:10], document[:10], labels[:10], np.zeros(10, dtype=int), None, seed=0)
+    assert (kept.argmax(axis=1) == document[:10]).all()
