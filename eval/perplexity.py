@@ -331,6 +331,9 @@ def choose_every_w(run: Run, shards: ShardSet, w: int, r: int, once: dict, ids: 
     rules = candidates(w, router.input.tokens, window_router is not None)
     out = choose(rules, chunk_cuts(ids, context, w), routes, ids, run.grid.paths, chunk_nll, router, window_router,
                  window_logits)
+    if not ids:  # stay, as with any too-small sample; say why
+        out["reason"] = out["one_path"]["reason"] = (f"{shards.root} keeps no router documents to choose on (re-shard "
+                                                     f"with data.router_fraction > 0)")
     return out | {"window": w, "round": r, "split": "router_docs", "documents": len(ids), "once_rule": once["name"]}
 
 
