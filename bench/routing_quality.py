@@ -270,15 +270,18 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     out = args.out.resolve()
-    results = [one_corpus(c, out, args.data, args.jobs, seed) for c in args.corpus for seed in args.seed]
     protocol = {"grid": "2x2", "balance": 1.1, "vocab": 4096, "preset": "tiny", "rounds": ROUNDS, "inner_steps": H,
                 "window": W, "shard_settings": SHARD_SETS,
                 "choice": "cluster_on by routed perplexity on the validation documents",
                 "once_rule": "chosen on the router documents (dipaco choose-routing; eval/once_policy.py)",
                 "seeds": "seed k sets the sharding seed (splits, samples, k-means) and the training seed"}
-    for f in (out / "routing_quality.json", args.json):
-        summary = merged(f, protocol, results)
-        f.write_text(json.dumps(summary, indent=1) + "\n")
+    results = []
+    for corpus in args.corpus:
+        for seed in args.seed:
+            results.append(one_corpus(corpus, out, args.data, args.jobs, seed))
+            for f in (out / "routing_quality.json", args.json):  # after each, so an interrupted invocation keeps it
+                summary = merged(f, protocol, results)
+                f.write_text(json.dumps(summary, indent=1) + "\n")
     print()
     print(table(results))
     spread = seeds_table(summary["results"])
