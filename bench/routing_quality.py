@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                 "window": W, "shard_settings": SHARD_SETS,
                 "choice": "cluster_on by routed perplexity on the validation documents",
                 "once_rule": "chosen on the router documents (dipaco choose-routing; eval/once_policy.py)",
+                "every_w_rule": "chosen on the router documents, window-router rules out of fold (dipaco fit-window-router)",
                 "seeds": "seed k sets the sharding seed (splits, samples, k-means) and the training seed"}
     results = []
     for corpus in args.corpus:
