@@ -144,7 +144,7 @@ def _rule(rr: RoutedRun, w: int) -> tuple[Rule, str]:
     """The every-W rule: the best rule that runs one path, chosen on the router documents for this run
     (``policy.json``). Without one, or with one an earlier dipaco chose on the validation documents or against
     another once rule, "stay": the prompt's path throughout, never worse than routing once."""
-    from dipaco.eval.perplexity import once_policy_file, policy_file
+    from dipaco.eval.perplexity import once_policy_file, policy_file, stale_policy
 
     f = policy_file(rr.run, w) if w else None
     if f is None or not f.is_file():
@@ -152,9 +152,9 @@ def _rule(rr: RoutedRun, w: int) -> tuple[Rule, str]:
     policy = json.loads(f.read_text(encoding="utf-8"))
     once_file = once_policy_file(rr.run)
     once = json.loads(once_file.read_text(encoding="utf-8"))["name"] if once_file.is_file() else "shard-router"
-    if policy.get("split") != "router_docs" or policy.get("once_rule", "shard-router") != once:
-        return Rule("stay"), (f"{f} was chosen on the validation documents or for another once rule; re-run dipaco "
-                              f"fit-window-router --overwrite")
+    stale = stale_policy(policy, once)
+    if stale is not None:
+        return Rule("stay"), f"{f} {stale}: the prompt keeps its path"
     one = policy.get("one_path") or policy
     return rule_of(one["chosen"]), f"chosen on the router documents: {one['reason']}"
 

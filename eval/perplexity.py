@@ -290,44 +290,52 @@ def policy_file(run: Run, w: int) -> Path:
     return window_router_dir(run, w) / "policy.json"
 
 
-def every_w_policy(run: Run, shards: ShardSet, w: int, r: int, window_router: BaseRouter | None, once: dict,
+def stale_policy(saved: dict, once_name: str) -> str | None:
+    """Why a saved every-W ``policy.json`` must not be followed, or None: one an earlier dipaco chose on the validation
+    documents, or one chosen while routing once used another rule than ``once_name`` (its "stay" was another path)."""
+    if saved.get("split") != "router_docs":
+        return "was chosen on the validation documents (re-run dipaco fit-window-router --overwrite)"
+    if saved.get("once_rule", "shard-router") != once_name:
+        return f"was chosen when routing once used {saved.get('once_rule', 'shard-router')}"
+    return None
+
+
+def every_w_policy(run: Run, shards: ShardSet, router: BaseRouter, w: int, r: int, once: dict,
                    progress: bool = True) -> dict:
     """The rule of every-W routing for this run: the one ``dipaco fit-window-router`` chose on the router documents
-    (``RUN/window_routers/w<W>/policy.json``), or, for a run without one (or one chosen on the validation documents by an
-    earlier dipaco, or against another once rule than ``once``, the run's ``once_policy``: its "stay" was another
-    routing once), the one the router documents choose now among the rules that need no fitting."""
+    (``RUN/window_routers/w<W>/policy.json``), or, for a run without one (or a stale one, ``stale_policy``), the one the
+    router documents choose now among the rules that need no fitting. ``router``: the shard router; ``once``: the
+    run's once policy."""
     f = policy_file(run, w)
     why = "chosen now on the router documents"
     if f.is_file():
         saved = json.loads(f.read_text(encoding="utf-8"))
-        if saved.get("split") != "router_docs":
-            why += f": {f} was chosen on the validation documents (re-run dipaco fit-window-router)"
-        elif saved.get("once_rule", "shard-router") != once["name"]:
-            why += f": {f} was chosen when routing once used {saved.get('once_rule', 'shard-router')}"
-        else:
+        stale = stale_policy(saved, once["name"])
+        if stale is None:
             return saved | {"source": str(f)}
-    return choose_on_router_docs(run, shards, w, r, once, progress) | {"source": why}
+        why += f": {f} {stale}"
+    return choose_on_router_docs(run, shards, router, w, r, once, progress) | {"source": why}
 
 
-def choose_on_router_docs(run: Run, shards: ShardSet, w: int, r: int, once: dict, progress: bool = True) -> dict:
+def choose_on_router_docs(run: Run, shards: ShardSet, router: BaseRouter, w: int, r: int, once: dict,
+                          progress: bool = True) -> dict:
     """The every-W rule among those that need no fitting (stay, the shard router, the lagged loss), chosen on every
     chunk of the router documents (never the validation or held-out ones: ``dipaco.eval.window_policy`` says why)."""
     ids = router_tokens(shards, run.config.eval.max_tokens_per_doc)
     scorer = Scorer(run, ids, run.config.eval.batch_size, progress)
     chunk_nll = all_chunk_nll(scorer, run.grid.paths, r, chunk_cuts(ids, run.config.eval.context_tokens, w))
-    routes = route_once(run, shard_router(shards, run.config.eval.context_tokens), scorer, ids, r, once)
-    return choose_every_w(run, shards, w, r, once, ids, chunk_nll, routes)
+    routes = route_once(run, router, scorer, ids, r, once)
+    return choose_every_w(run, shards, router, w, r, once, ids, chunk_nll, routes)
 
 
-def choose_every_w(run: Run, shards: ShardSet, w: int, r: int, once: dict, ids: list[list[int]],
+def choose_every_w(run: Run, shards: ShardSet, router: BaseRouter, w: int, r: int, once: dict, ids: list[list[int]],
                    chunk_nll: list[np.ndarray], routes: list[str], window_router: BaseRouter | None = None,
                    window_logits: np.ndarray | None = None) -> dict:
     """Every candidate rule scored on every chunk of the router documents ``ids`` (``chunk_nll``: every path's loss on
     each; ``routes``: each document's path by the once rule ``once``, for chunk 0 and "stay"); the best, as saved in
     policy.json. The window-router rules need the fitted ``window_router`` and, since it was fitted on these documents,
-    its out-of-fold ``window_logits``."""
+    its out-of-fold ``window_logits``. ``router``: the shard router."""
     context = run.config.eval.context_tokens
-    router = shard_router(shards, context)
     rules = candidates(w, router.input.tokens, window_router is not None)
     out = choose(rules, chunk_cuts(ids, context, w), routes, ids, run.grid.paths, chunk_nll, router, window_router,
                  window_logits)
@@ -433,7 +441,7 @@ def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[in
     chunk_nll: dict[int, list[np.ndarray]] = {}
     for w in route_every:
         window = load_window_router(run, shards, w)
-        policy = every_w_policy(run, shards, w, r, window, once_choice, progress)
+        policy = every_w_policy(run, shards, router, w, r, once_choice, progress)
         rule, cuts = rule_of(policy["chosen"]), chunk_cuts(ids, context, w)
         if rule.kind == "lagged-loss" or oracle:
             chunk_nll[w] = all_chunk_nll(scorer, run.grid.paths, r, cuts)

@@ -94,7 +94,7 @@ def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, 
     document_paths = route_once(run, router, scorer, ids, r, once)
     enough = max(MIN_WINDOWS, 25 * len(paths))
     if len(examples) < enough:  # no classifier: the rules that need no fitting (stay included)
-        policy = choose_every_w(run, shards, window, r, once, ids, chunk_nll, document_paths)
+        policy = choose_every_w(run, shards, router, window, r, once, ids, chunk_nll, document_paths)
         warning = (f"the router documents of {shards.root} give only {len(examples)} windows of {window} tokens (fewer "
                    f"than {enough}), too few to fit a window router; every-{window} routing uses {policy['name']} "
                    f"({policy['reason']}). Re-shard with a larger data.router_fraction to fit one")
@@ -144,7 +144,8 @@ def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, 
     # which rule every-W routing uses, chosen on these documents: the window router's rules with out-of-fold decisions
     folds = np.random.default_rng(seed).permutation(len(ids)) % FOLDS
     held_out_logits = out_of_fold_logits(router, x, document, labels, folds[[d for d, _, _ in examples]], prefix, seed)
-    policy = choose_every_w(run, shards, window, r, once, ids, chunk_nll, document_paths, final, held_out_logits)
+    policy = choose_every_w(run, shards, router, window, r, once, ids, chunk_nll, document_paths, final,
+                            held_out_logits)
     with atomic_dir(out, overwrite=overwrite) as tmp:
         final.save(tmp)
         write_json(tmp / "policy.json", policy)
