@@ -76,3 +76,13 @@ def tok(shards_2x2):
     from dipaco.shards import ShardSet
 
     return ShardSet(shards_2x2).tokenizer()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One real S3-compatible server process (moto) per test session; see tests/s3server.py."""
+    from s3server import start_s3_server
+
+    server = start_s3_server()
+    yield server
+    server.stop()
