@@ -179,7 +179,7 @@ def analyse(name: str, sets: list[str], run_dir: Path, shards: Path, steps: int,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--quick", action="store_true",
                     help="200 inner steps, H=100, τ in {1, 5}, batch 4 x 64 tokens")
     ap.add_argument("--steps", type=int, help="inner steps per trainee (default 200 quick, 1000 full)")

@@ -290,7 +290,7 @@ def plot(rows: list[dict], title: str, out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--scale", choices=["measured", "paper"], default="paper")
     ap.add_argument("--inputs", type=Path, help="ray_engine.json to read with --scale measured")
     ap.add_argument("--workers", type=int, nargs="+", default=[16, 32, 64])

@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     from dipaco.shards import BatchSampler, ShardSet
     from dipaco.trainee import Trainee, inner_step
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("--run", required=True)
     ap.add_argument("--shards", help="default: the run's own shard directory")
     ap.add_argument("--path", help="default: the run's first path")

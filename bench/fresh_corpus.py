@@ -101,7 +101,7 @@ def build(out: Path, budget: int) -> dict[str, int]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("out", type=Path)
     ap.add_argument("--budget", type=int, default=1_500_000, help="characters per domain")
     args = ap.parse_args(argv)

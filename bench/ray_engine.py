@@ -75,7 +75,7 @@ def phase_times(result: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--H", type=int, default=50)
     ap.add_argument("--bits", type=int, default=4, choices=[4, 8, 16, 32])

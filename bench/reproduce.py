@@ -749,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["_best"]:
         best_child(json.loads(argv[1]))
         return 0
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--corpus", nargs="+", default=["shared", "default"], choices=["shared", "default"])
     p.add_argument("--data", type=Path, default=DEFAULT_DATA,
                    help="the shared corpus (directory of *.jsonl[.gz] or one file); with --corpus default and a file, "

@@ -252,7 +252,7 @@ def merged(path: Path, protocol: dict, results: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--corpus", nargs="+", default=["shared", "default", "fresh"], choices=["shared", "default", "fresh"],
                    help="run several invocations with one corpus each to use more cores (each has its own folder)")
     p.add_argument("--seed", nargs="+", type=int, default=[0],

@@ -68,7 +68,7 @@ def repeat_corpus(files: list[Path], times: int, out: Path) -> list[Path]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--corpus", default=str(DEFAULT_CORPUS))
     ap.add_argument("--grid", default="5")
     ap.add_argument("--scales", type=int, nargs="+", default=[1, 4])

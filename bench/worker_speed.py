@@ -256,7 +256,7 @@ def median(xs):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("--quick", action="store_true", help="tiny only, grid 1, 2 reps of 1 round")
     ap.add_argument("--configs", default="tiny,h128", help=f"comma list of {', '.join(CONFIGS)}")
     ap.add_argument("--grids", default="1", help="worker grids: '1' (one trainee, shards pooled) and/or '2x2' (4 trainees)")

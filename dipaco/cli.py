@@ -95,13 +95,14 @@ def cmd_reshard(args) -> None:
 def cmd_inspect(args) -> None:
     from dipaco.sharding.inspect_shards import format_summary, inspect
 
-    default = f"{Path(args.shards).resolve().name}-paths.png"
-    png = Path(args.png or default)
-    if png.is_dir():  # a folder gets the default name inside it
-        png = png / default
-    if png.suffix.lower() != ".png":
-        raise DipacoError(f"--png {args.png}: the plot is a PNG; give a file name ending in .png, or a directory")
-    check_out_file(png, "--png")
+    png = None
+    if args.png is not None:  # the plot only when asked for: inspecting never writes into the current directory
+        png = Path(args.png)
+        if png.is_dir():  # a folder gets the default name inside it
+            png = png / f"{Path(args.shards).resolve().name}-paths.png"
+        if png.suffix.lower() != ".png":
+            raise DipacoError(f"--png {args.png}: the plot is a PNG; give a file name ending in .png, or a directory")
+        check_out_file(png, "--png")
     summary = inspect(args.shards, png, args.terms)
     if args.json:
         print(json.dumps(summary, indent=1))
@@ -189,12 +190,13 @@ def cmd_generate(args) -> None:
     from dipaco.eval.generate import generate
 
     cfg = _resolve(args, CC.GenerateConfig)
+    # every prompt given, in this order: the positional words (one prompt), each --prompt, each line of --prompts-file
+    prompts = ([" ".join(args.words)] if args.words else []) + args.prompt
     if args.prompts_file:
-        prompts = read_prompts(args.prompts_file)
-    else:  # words given without quotes form one prompt
-        prompts = [" ".join(args.prompt)] if args.prompt else []
+        prompts += read_prompts(args.prompts_file)
     if not prompts:
-        raise DipacoError("no prompt given; pass a prompt as an argument or --prompts-file FILE (one prompt a line)")
+        raise DipacoError("no prompt given; pass a prompt as an argument, --prompt TEXT or --prompts-file FILE "
+                          "(one prompt a line)")
     rr = load(args.run, args.shards)
     for prompt in prompts:
         g = generate(rr, prompt, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -295,12 +297,15 @@ def cmd_quickstart(args) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
+    """Every dipaco parser: our help layout, and no abbreviated flags (argparse would take --prompt for --prompts-file,
+    and a later flag that shares a prefix would silently change what an old command line means)."""
+
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, formatter_class=HelpFormatter, **kwargs)
+        super().__init__(*args, formatter_class=HelpFormatter, allow_abbrev=False, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dipaco", description="Train modular language models the DiPaCo way.")
+    parser = _Parser(prog="dipaco", description="Train modular language models the DiPaCo way.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("shard", help="route a corpus into per-path token shards")
@@ -330,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="route a prompt and continue it with one path")
     p.add_argument("--run", required=True, help="run directory")
     p.add_argument("--shards", help="shard directory (router and tokenizer); default: the run's own")
-    p.add_argument("prompt", nargs="*", help="prompt text, quoted (or use --prompts-file)")
+    p.add_argument("words", nargs="*", metavar="PROMPT", help="prompt text, quoted (words without quotes form one prompt)")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable: one prompt each)")
     p.add_argument("--prompts-file", help="text file, one prompt a line")
     _config_args(p, CC.GenerateConfig, cmd_generate, example="top_p=0.9")
 
@@ -364,10 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace --out once the new shards are complete")
     _config_args(p, CC.ReshardConfig, cmd_reshard, example="max_tokens=256")
 
-    p = sub.add_parser("inspect", help="per-path summary of a shard directory and a PNG of path sizes")
+    p = sub.add_parser("inspect", help="per-path summary of a shard directory (--png: and a plot of path sizes)")
     p.add_argument("shards", help="shard directory")
-    p.add_argument("--png", help="where to write the plot: a .png file, or a directory to write <shards name>-paths.png "
-                   "in (default ./<shards name>-paths.png)")
+    p.add_argument("--png", help="also plot the path sizes: a .png file, or a directory to write <shards name>-paths.png "
+                   "in (default: no plot)")
     p.add_argument("--terms", type=int, default=8, help="top terms per path (tf-idf routers)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_inspect)

@@ -25,6 +25,12 @@ def _mixture(at: str, k: int | None) -> None:
                           f"row); leave --mixture out for none")
 
 
+def check_max_new_tokens(n: int, at: str = "") -> None:
+    """One rule and one message for the CLI flag, the config key and the Python API: generation asks for >= 1 token."""
+    if n < 1:
+        raise DipacoError(f"config: '{at}max_new_tokens' (--max-new-tokens) is {n}: ask for at least 1 new token")
+
+
 @dataclass
 class EvalCommandConfig:
     """``dipaco eval``: which rows the report has besides the routed one."""
@@ -82,7 +88,7 @@ class GenerateConfig:
 
     def check(self, at: str) -> None:
         _mixture(at, self.mixture)
-        at_least(at + "max_new_tokens", self.max_new_tokens, 0)
+        check_max_new_tokens(self.max_new_tokens, at)
         at_least(at + "temperature", self.temperature, 0)
         positive(at + "mixture_temperature", self.mixture_temperature)
 

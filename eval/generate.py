@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from dipaco.command_config import GenerateConfig as G  # the defaults, declared once
+from dipaco.command_config import check_max_new_tokens
 from dipaco.errors import DipacoError
 from dipaco.eval.once_policy import decide_once, once_rule_of, router_log_prior
 from dipaco.eval.perplexity import check_mixture, mixture_weights
@@ -66,8 +67,7 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
     router on its first tokens). ``route_every`` W > 0 re-routes after every W new tokens with the run's every-W
     rule (the best rule that runs one path, chosen on the router documents by ``dipaco fit-window-router``; without
     one, the prompt's path throughout); None does so when the run has exactly one fitted W, 0 never."""
-    if max_new_tokens < 1:
-        raise DipacoError(f"--max-new-tokens {max_new_tokens} is not valid; ask for at least 1 token")
+    check_max_new_tokens(max_new_tokens)
     if temperature < 0 or not 0 < top_p <= 1:
         raise DipacoError(f"sampling options temperature={temperature}, top_p={top_p} are not valid; "
                           f"use temperature >= 0 (0 = greedy) and 0 < top_p <= 1")

@@ -1,4 +1,4 @@
-"""``dipaco inspect SHARDS``: a readable summary per path and a PNG of path sizes."""
+"""``dipaco inspect SHARDS``: a readable summary per path, and a PNG of path sizes when asked for (``--png``)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def openings(shards: ShardSet, path: str, n: int = 2, chars: int = 70) -> list[s
 
 
 def inspect(shards_dir: str | Path, png: str | Path | None = None, terms: int = 8) -> dict:
-    """Per-path summary (documents, tokens, share, top labels, top terms, sample openings) and a PNG."""
+    """Per-path summary (documents, tokens, share, top labels, top terms, sample openings), and a PNG at ``png``
+    if given."""
     shards = ShardSet(shards_dir)
     m = shards.manifest
     router = Router.load(shards.root / "router")
@@ -61,8 +62,8 @@ def inspect(shards_dir: str | Path, png: str | Path | None = None, terms: int = 
     summary = {"shards": str(shards.root), "grid": shards.grid, "router": router.kind,
                "features": router.features.describe().get("kind") if router.features is not None else router.kind, "paths": rows,
                "path_sizes": m.get("path_sizes"), "dropped": m.get("dropped"), "reshard": m.get("reshard")}
-    if png is not None:
-        summary["png"] = str(plot_sizes(rows, png, f"{shards.root.name}: grid {shards.grid}, {router.kind} router"))
+    summary["png"] = None if png is None else str(plot_sizes(rows, png, f"{shards.root.name}: grid {shards.grid}, "
+                                                                          f"{router.kind} router"))
     return summary
 
 
@@ -102,5 +103,7 @@ def format_summary(summary: dict) -> str:
         for o in r["openings"]:
             lines.append(f"  {r['path']}: {o}")
     if summary.get("png"):
-        lines.append(f"\nwrote {summary['png']}")
+        lines.append(f"\nwrote {summary['png']} (the plot of path sizes)")
+    else:
+        lines.append("\nno plot written; add --png FILE.png (or a directory) for one")
     return "\n".join(lines)

@@ -1,5 +1,8 @@
+import argparse
 import dataclasses
+import re
 import typing
+from pathlib import Path
 
 import pytest
 import tomli_w
@@ -217,7 +220,8 @@ def test_flags_land_on_their_keys():
     (["eval", "--run", "{t}/r", "--shards", "{t}/s", "--out", "{t}/r.json", "--set", "split=\"test\""],
      "'split' must be 'heldout' or 'val'"),
     (["generate", "--run", "{t}/r", "--mixture", "1", "hello"], "a mixture needs K >= 2 paths"),
-    (["generate", "--run", "{t}/r", "--set", "max_new_tokens=-1", "hello"], "'max_new_tokens' must be >= 0"),
+    (["generate", "--run", "{t}/r", "--set", "max_new_tokens=-1", "hello"], "'max_new_tokens' (--max-new-tokens) is -1: ask for at least 1 new token"),
+    (["generate", "--run", "{t}/r", "--max-new-tokens", "0", "hello"], "'max_new_tokens' (--max-new-tokens) is 0: ask for at least 1 new token"),
     (["reshard", "--run", "{t}/r", "--shards", "{t}/s", "--out", "{t}/o", "--holdout-fraction", "1.5"],
      "'holdout_fraction' must be in (0, 1)"),
     (["reshard", "--run", "{t}/r", "--shards", "{t}/s", "--out", "{t}/o", "--set", "target=\"even\""],
@@ -237,3 +241,29 @@ def test_a_bad_choice_on_the_command_line_is_argparses_error(capsys):
         main(["train", "--shards", "s", "--out", "o", "--bits", "3"])
     assert exc.value.code == 2
     assert "dipaco train: error: argument --bits: invalid choice: 3" in capsys.readouterr().err
+
+
+def test_no_command_takes_an_abbreviated_flag(capsys):
+    """argparse would read --prompt as --prompts-file, and --out-dir as --out: every dipaco parser refuses abbreviations."""
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert not parser.allow_abbrev and all(not p.allow_abbrev for p in subparsers.values())
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--shards", "s", "--out", "o", "--inner-step", "3"])  # --inner-steps, abbreviated
+    assert exc.value.code == 2 and "unrecognized arguments: --inner-step" in capsys.readouterr().err
+
+
+def test_every_parser_of_the_project_refuses_abbreviations():
+    """The benchmarks' command lines too: every ArgumentParser(...) call in the repository says allow_abbrev=False."""
+    root = Path(__file__).resolve().parents[1]
+    for f in [*root.glob("dipaco/**/*.py"), *root.glob("bench/**/*.py"), *root.glob("eval/**/*.py"),
+              *root.glob("routing/**/*.py"), *root.glob("sharding/**/*.py")]:
+        for call in re.finditer(r"ArgumentParser\((.*?)\)\n", f.read_text(encoding="utf-8"), re.S):
+            assert "allow_abbrev=False" in call.group(1), f"{f.relative_to(root)}: {call.group(0)[:80]}"
+
+
+def test_generate_takes_prompts_as_words_flags_and_a_file(tmp_path):
+    args = build_parser().parse_args(["generate", "--run", "r", "--prompt", "In the beginning...", "--prompt", "def f("])
+    assert args.prompt == ["In the beginning...", "def f("] and args.words == [] and args.prompts_file is None
+    args = build_parser().parse_args(["generate", "--run", "r", "two", "words", "--prompts-file", "p.txt"])
+    assert args.words == ["two", "words"] and args.prompt == [] and args.prompts_file == "p.txt"
