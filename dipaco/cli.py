@@ -164,7 +164,7 @@ def _without_workers(argv: list[str]) -> list[str]:
 
 
 def cmd_eval(args) -> None:
-    from dipaco.eval.perplexity import evaluate
+    from dipaco.eval.perplexity import evaluate, once_notice
     from dipaco.eval.report import beside, markdown_table, write_report
 
     cfg = _resolve(args, CC.EvalCommandConfig)
@@ -180,6 +180,9 @@ def cmd_eval(args) -> None:
                       route_every=cfg.route_every, oracle=cfg.oracle, random=cfg.random,
                       early_stopping=cfg.early_stopping, mixture=cfg.mixture or 0, temperature=cfg.temperature,
                       seed=cfg.seed, split=cfg.split)
+    for row in report["methods"].values():  # a run without a once rule got one chosen (and saved) just now
+        if notice := once_notice(row["run"], row.get("once_policy", {})):
+            print(f"dipaco eval: note: {notice}", file=sys.stderr)
     files = write_report(report, args.out)
     print(markdown_table(report))
     print("\nwrote " + ", ".join(files.values()))
@@ -188,6 +191,7 @@ def cmd_eval(args) -> None:
 def cmd_generate(args) -> None:
     from dipaco.eval.api import load
     from dipaco.eval.generate import generate
+    from dipaco.eval.perplexity import once_notice
 
     cfg = _resolve(args, CC.GenerateConfig)
     # every prompt given, in this order: the positional words (one prompt), each --prompt, each line of --prompts-file
@@ -197,8 +201,8 @@ def cmd_generate(args) -> None:
     if not prompts:
         raise DipacoError("no prompt given; pass a prompt as an argument, --prompt TEXT or --prompts-file FILE "
                           "(one prompt a line)")
-    rr = load(args.run, args.shards)
-    for prompt in prompts:
+    rr = load(args.run, args.shards, progress=not args.quiet)
+    for n, prompt in enumerate(prompts):
         g = generate(rr, prompt, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                      seed=cfg.seed, round=cfg.round, mixture=cfg.mixture or 0, mixture_temperature=cfg.mixture_temperature,
                      path=rr.check_path(cfg.path) if cfg.path else None, route_every=cfg.route_every)
@@ -209,6 +213,8 @@ def cmd_generate(args) -> None:
         if g.prompt_cut:
             print(f"# the prompt is longer than the model's {g.max_seq_len} tokens: kept its last {g.prompt_tokens} "
                   f"tokens ({g.prompt_cut} dropped); routing still read its first tokens", file=sys.stderr)
+        if n == 0 and rr.once_chosen_now:  # the run had no once rule: say which was chosen, and where it was saved
+            print(f"# {once_notice(rr.run.root, rr.once_chosen_now)}", file=sys.stderr)
         print(f"# routing: {g.router}", file=sys.stderr)
         print(f"# path {paths}: loaded {g.bytes_loaded / 1e6:.2f} MB of {g.bytes_total / 1e6:.2f} MB "
               f"({100 * g.bytes_loaded / g.bytes_total:.0f}% of the model), {g.new_tokens} new tokens", file=sys.stderr)
@@ -246,9 +252,8 @@ def cmd_fit_window_router(args) -> None:
                             cfg.seed, args.overwrite, progress=not args.quiet)
     if rep.get("warning"):
         print(f"dipaco fit-window-router: warning: {rep['warning']}", file=sys.stderr)
-    if rep.get("once_saved"):
-        print(f"the run had no once rule: chose {rep['policy']['once_rule']} on the router documents and saved it to "
-              f"{rep['once_saved']} (as dipaco choose-routing does; every-W routing builds on it)")
+    if rep.get("once_notice"):
+        print(f"{rep['once_notice']}; every-W routing builds on it")
     print(f"wrote {rep['out']}: {rep['examples']} windows of {rep['window']} tokens from {rep['router_documents']} router "
           f"documents (round {rep['round']}), {rep['seconds']:.0f} s")
     if rep["accuracy"] is not None:

@@ -6,7 +6,9 @@ for a file), so a bad ``--out`` costs one line and exit code 2, not a traceback 
 * the path's nearest existing ancestor is a writable directory (not a file, not read-only);
 * a directory output is not a file, and is not, does not contain and does not lie inside an input;
 * an existing directory is used only when it is empty or dipaco wrote it: its own marker file
-  (``OWN_MARKERS``) of the kind the command writes. Anything else is refused, ``--overwrite`` or not.
+  (``OWN_MARKERS``) of the kind the command writes. Anything else is refused, ``--overwrite`` or not;
+  one exception: a run's policy folder holding only its policy file is dipaco's even when that file is damaged
+  (``run_policy_folder``), so the command that writes it can replace it with ``--overwrite``.
 
 ``os_error_line`` turns an ``OSError`` that still happens (disk full, a race) into the one line ``cli.main``
 prints.
@@ -135,11 +137,33 @@ def check_out_dir(out: str | Path, kind: str, flag: str = "--out", inputs: dict 
     return out
 
 
+# the folders a command keeps inside a run directory, each for one policy file: (where, relative to the run, the
+# folder's name pattern, file name); see dipaco.eval.policy_files
+RUN_POLICY_FOLDERS = ((("routing",), "once.json"), (("window_routers", "w*"), "policy.json"))
+POLICY_MAX_BYTES = 1 << 20  # policies are a few kB; a bigger file of that name is not taken for one
+
+
+def run_policy_folder(directory: Path) -> bool:
+    """A policy folder of a dipaco run that holds nothing but its policy file, whatever that file holds: dipaco's name in
+    dipaco's folder, so ``--overwrite`` may replace it even when the file is damaged (the command that rewrites it is
+    the way out). Anything else beside the file (a user's notes, a link), or a file too big to be a policy, keeps the
+    folder the user's."""
+    for parts, name in RUN_POLICY_FOLDERS:
+        run = directory.parents[len(parts) - 1] if len(directory.parents) >= len(parts) else None
+        if run is None or not directory.relative_to(run).match("/".join(parts)):
+            continue
+        f = directory / name
+        if (owner_kind(run) == "run" and [p.name for p in directory.iterdir()] == [name] and f.is_file()
+                and not f.is_symlink() and f.stat().st_size <= POLICY_MAX_BYTES):
+            return True
+    return False
+
+
 def check_replaceable(existing: Path) -> None:
     """The last guard before a writer replaces ``existing``: an empty directory or one dipaco wrote."""
     if not existing.is_dir():
         raise DipacoError(f"{existing} is a file, not a directory; choose another output path")
-    if owner_kind(existing) is None and any(existing.iterdir()):
+    if owner_kind(existing) is None and any(existing.iterdir()) and not run_policy_folder(existing):
         raise DipacoError(f"{existing} holds files dipaco did not write ({listing(existing)}); "
                           f"choose a new or empty directory")
 

@@ -3,7 +3,8 @@
     from dipaco.eval.api import load
 
     rr = load("runs/dipaco")                      # router and tokenizer from the run's shard dir
-    rr.route(["def main():", "To be, or not to be"])   # -> ['0-1', '1-0']
+    rr.route(["def main():", "To be, or not to be"])   # -> ['0-1', '1-0'] (the shard router)
+    rr.path_for("def main():")                    # the path the run's once rule answers with, as eval and generate
     model = rr.model_for("def main():")           # a transformers LlamaForCausalLM of that path
     rr.generate("def main():", max_new_tokens=20).text
     rr.export("0-1", "exported/")                 # plain Hugging Face directory
@@ -24,8 +25,9 @@ from dipaco.shards import ShardSet
 class RoutedRun:
     """A run plus the router and tokenizer of the shards it was trained on."""
 
-    def __init__(self, run: str | Path | Run, shards: str | Path | None = None):
+    def __init__(self, run: str | Path | Run, shards: str | Path | None = None, progress: bool = True):
         self.run = run if isinstance(run, Run) else Run(run)
+        self.progress = progress  # bars while the once rule is chosen (a run without RUN/routing/once.json)
         shards = shards if shards is not None else self.run.info.get("shards_dir")
         if shards is None:
             raise DipacoError(f"{self.run.root / 'run.json'} records no shards_dir; pass --shards SHARDS")
@@ -38,6 +40,8 @@ class RoutedRun:
                               f"pass --shards {self.run.info.get('shards_dir')}")
         self.tokenizer = self.shards.tokenizer()
         self._router: Router | None = None
+        self._unsaved_once: dict | None = None
+        self.once_chosen_now: dict | None = None  # the once rule, when this object chose it (for a command to say so)
 
     @property
     def paths(self) -> list[str]:
@@ -51,11 +55,32 @@ class RoutedRun:
 
     # -------------------------------------------------------------- routing
     def route(self, texts: list[str]) -> list[str]:
-        """The shard router's path id per text (a dense run always answers its single path). ``generate`` follows the
-        run's once rule instead (``dipaco choose-routing``), which may score the text's first tokens with every path."""
+        """The shard router's path id per text (a dense run always answers its single path). ``path_for``, ``generate``
+        and eval follow the run's once rule instead (``once_policy``), which may score the text's first tokens with
+        every path."""
         if isinstance(texts, str):
             raise DipacoError("route takes a list of texts, not a single string; wrap it: route([text])")
         return [self.paths[0]] * len(texts) if self.run.is_dense else self.router.route(texts)
+
+    def once_policy(self) -> dict:
+        """The run's once rule, the one every command routes by: RUN/routing/once.json, or, for a run without it,
+        chosen now on the router documents and saved there (``perplexity.find_once_policy``)."""
+        from dipaco.eval.perplexity import find_once_policy
+
+        if self._unsaved_once is not None:  # chosen once already, and the run directory could not keep it
+            return self._unsaved_once
+        policy = find_once_policy(self.run, self.shards, self.progress)
+        if policy.get("chosen_now"):
+            self.once_chosen_now = policy
+            if policy.get("saved_to") is None:
+                self._unsaved_once = policy
+        return policy
+
+    def path_for(self, text: str, round: int | None = None) -> str:
+        """The path the run's once rule gives ``text`` (what eval and generate answer it with)."""
+        from dipaco.eval.generate import route_prompt
+
+        return route_prompt(self, text, round)[0]
 
     def window_router(self, w: int):
         """The run's router for every-``w`` routing (``dipaco fit-window-router``), or None."""
@@ -86,8 +111,8 @@ class RoutedRun:
         return self.run.path_model(self.check_path(path), round)
 
     def model_for(self, text: str, round: int | None = None):
-        """The transformers model of the path the router picks for ``text``."""
-        return self.path_model(self.route([text])[0], round).model
+        """The transformers model of the path the run's once rule picks for ``text`` (``path_for``)."""
+        return self.path_model(self.path_for(text, round), round).model
 
     def bytes_of(self, paths: list[str], round: int | None = None) -> tuple[int, int]:
         """(bytes of the modules these paths need, bytes of all modules) in the round's checkpoint."""
@@ -115,6 +140,6 @@ class RoutedRun:
         return export_path(self, path, out, round, overwrite)
 
 
-def load(run: str | Path, shards: str | Path | None = None) -> RoutedRun:
-    """Open a trained run for routing, scoring and generation."""
-    return RoutedRun(run, shards)
+def load(run: str | Path, shards: str | Path | None = None, progress: bool = True) -> RoutedRun:
+    """Open a trained run for routing, scoring and generation (``progress``: bars for long work)."""
+    return RoutedRun(run, shards, progress)

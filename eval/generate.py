@@ -7,7 +7,6 @@ softmax(-d^2 / T) of the router distances; it runs its own decoding loop (one KV
 from __future__ import annotations
 
 import inspect
-import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -78,7 +77,7 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
         g = _generate_mixture(rr, prompt, ids, max_new_tokens, temperature, top_p, seed, round, mixture,
                               mixture_temperature)
         return replace(g, **cut_info)
-    chosen, how, scored = (path, "the given path", []) if path is not None else _route_once(rr, prompt, round)
+    chosen, how, scored = (path, "the given path", []) if path is not None else route_prompt(rr, prompt, round)
     if route_every is None:
         sizes = rr.window_sizes()
         route_every = sizes[0] if len(sizes) == 1 else 0
@@ -113,17 +112,14 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
 
 
 @torch.no_grad()
-def _route_once(rr: RoutedRun, prompt: str, round) -> tuple[str, str, list[str]]:
-    """The prompt's path under the run's once rule (``dipaco choose-routing``: RUN/routing/once.json; without one, the
-    shard router), how it was chosen, and the paths read to choose it. A prefix-loss rule scores the prompt's first
+def route_prompt(rr: RoutedRun, prompt: str, round: int | None = None) -> tuple[str, str, list[str]]:
+    """The prompt's path under the run's once rule (``RoutedRun.once_policy``: RUN/routing/once.json, the rule eval
+    routes by), how it was chosen, and the paths read to choose it. A prefix-loss rule scores the prompt's first
     ``eval.context_tokens`` tokens with every path, one model at a time, as eval scores a document's routing context."""
-    from dipaco.eval.perplexity import once_policy_file
-
     shard_path = rr.route([prompt])[0]
-    f = once_policy_file(rr.run)
-    if rr.run.is_dense or not f.is_file():
+    if rr.run.is_dense:
         return shard_path, "shard router on the prompt's first tokens", []
-    policy = json.loads(f.read_text(encoding="utf-8"))
+    policy = rr.once_policy()
     rule = once_rule_of(policy["chosen"])
     context = rr.run.config.eval.context_tokens
     tokens = rr.encode(prompt)[:context]
@@ -144,15 +140,13 @@ def _rule(rr: RoutedRun, w: int) -> tuple[Rule, str]:
     """The every-W rule: the best rule that runs one path, chosen on the router documents for this run
     (``policy.json``). Without one, or with one an earlier dipaco chose on the validation documents or against
     another once rule, "stay": the prompt's path throughout, never worse than routing once."""
-    from dipaco.eval.perplexity import once_policy_file, policy_file, stale_policy
+    from dipaco.eval.policy_files import policy_file, read_window_policy, stale_policy
 
-    f = policy_file(rr.run, w) if w else None
-    if f is None or not f.is_file():
+    policy = read_window_policy(rr.run, rr.shards, w) if w else None
+    if policy is None:
         return Rule("stay"), f"no every-{w} rule chosen for this run; choose one with dipaco fit-window-router"
-    policy = json.loads(f.read_text(encoding="utf-8"))
-    once_file = once_policy_file(rr.run)
-    once = json.loads(once_file.read_text(encoding="utf-8"))["name"] if once_file.is_file() else "shard-router"
-    stale = stale_policy(policy, once)
+    f = policy_file(rr.run, w)
+    stale = stale_policy(policy, rr.once_policy()["name"])
     if stale is not None:
         return Rule("stay"), f"{f} {stale}: the prompt keeps its path"
     one = policy.get("one_path") or policy

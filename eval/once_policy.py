@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 MIN_DOCUMENTS = 10  # fewer router documents than this: too few to trust a rule over the shard router
+ONCE_KINDS = ("shard-router", "prefix-loss")
 
 
 @dataclass(frozen=True)

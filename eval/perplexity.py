@@ -43,10 +43,11 @@ from dipaco.command_config import EvalCommandConfig as E  # the defaults, declar
 from dipaco.errors import DipacoError
 from dipaco.eval.once_policy import (choose_once, decide_once, once_candidates, once_rule_of, prefix_nll,
                                      router_log_prior)
+from dipaco.eval.policy_files import (once_policy_file, policy_file, read_once_policy, read_window_policy,
+                                      stale_policy, window_router_dir, write_once_policy)
 from dipaco.eval.window_policy import (all_chunk_nll, candidates, choose, chunk_cuts, cross_fitted_oracle_nll, decide,
                                        rule_of)
-from dipaco.io import write_json
-from dipaco.outputs import atomic_dir
+from dipaco.outputs import os_error_line
 from dipaco.routing import Router
 from dipaco.routing.router import BaseRouter
 from dipaco.run import Run
@@ -110,23 +111,45 @@ def route_documents(run: Run, router: BaseRouter | None, ids: list[list[int]]) -
     return router.route_ids(ids)
 
 
-def once_policy_file(run: Run) -> Path:
-    return run.root / "routing" / "once.json"
-
-
 def router_tokens(shards: ShardSet, max_tokens: int) -> list[list[int]]:
     """The router documents' tokens (kept out of training and of the router's fit); none when the shards keep none."""
     docs = read_docs(shards.root, "router_docs")
     return [t[:max_tokens] for t in encode(shards.tokenizer(), [d["text"] for d in docs])] if docs else []
 
 
-def once_policy(run: Run, shards: ShardSet, r: int, progress: bool = True) -> dict:
-    """The rule of routing once for this run: the one ``dipaco choose-routing`` saved (``RUN/routing/once.json``), or
-    the one the router documents choose now."""
+def find_once_policy(run: Run, shards: ShardSet, progress: bool = True) -> dict:
+    """The run's once rule, decided once and found by every command (eval, generate, fit-window-router, the Python API):
+    ``RUN/routing/once.json``. A run without it gets it chosen by the first command that needs it, on the router
+    documents at the run's latest round (what ``dipaco choose-routing`` does, so which command came first does not
+    matter), and saved there. A run directory that cannot take the file (read-only, a user's files in RUN/routing)
+    gets the same choice for this command only. A chosen-now policy says so: ``chosen_now``, ``saved_to`` (None when
+    not saved) and ``source``; ``once_notice`` words it for a command's output."""
+    saved = read_once_policy(run, shards)
+    if saved is not None:
+        return saved
+    r = run.latest()
+    policy = choose_once_on_router_docs(run, shards, r, progress)
     f = once_policy_file(run)
-    if f.is_file():
-        return json.loads(f.read_text(encoding="utf-8")) | {"source": str(f)}
-    return choose_once_on_router_docs(run, shards, r, progress) | {"source": "chosen now on the router documents"}
+    try:
+        write_once_policy(run, policy, overwrite=f.parent.is_dir())  # an empty routing/ (or dipaco's) is replaced
+    except (OSError, DipacoError) as exc:
+        again = read_once_policy(run, shards)
+        if again is not None:  # another command saved it meanwhile: the saved rule is the one every command follows
+            return again
+        why = os_error_line(exc) if isinstance(exc, OSError) else str(exc)
+        return policy | {"chosen_now": True, "saved_to": None,
+                         "source": f"chosen on the router documents at round {r} for this command only: it could not "
+                                   f"be saved to {f} ({why}), so the next command chooses again"}
+    return policy | {"chosen_now": True, "saved_to": str(f),
+                     "source": f"chosen on the router documents at round {r} and saved to {f}, which every later "
+                               f"command follows (dipaco choose-routing --overwrite chooses again)"}
+
+
+def once_notice(run_dir: str | Path, policy: dict) -> str | None:
+    """One line for a command's output when ``policy`` was chosen just now (``find_once_policy``), else None."""
+    if not policy.get("chosen_now"):
+        return None
+    return f"run {run_dir} had no once rule: routing once uses {policy['name']}, {policy['source']}"
 
 
 def choose_once_on_router_docs(run: Run, shards: ShardSet, r: int, progress: bool = True) -> dict:
@@ -164,9 +187,7 @@ def save_once_policy(run_dir: str | Path, shards_dir: str | Path, at_round: int 
     if r not in run.rounds:
         raise DipacoError(f"run {run.root} has no round {r}; available: {run.rounds}")
     policy = choose_once_on_router_docs(run, shards, r, progress)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
-        write_json(tmp / once_policy_file(run).name, policy)
-    return policy | {"out": str(once_policy_file(run))}
+    return policy | {"out": str(write_once_policy(run, policy, overwrite))}
 
 
 def route_once(run: Run, router: BaseRouter | None, scorer: Scorer, ids: list[list[int]], r: int,
@@ -179,10 +200,6 @@ def route_once(run: Run, router: BaseRouter | None, scorer: Scorer, ids: list[li
     shard_routes = [router.paths[j] for j in dist.argmin(axis=1)]  # what route_ids answers
     prefix = prefix_nll(scorer, run.grid.paths, r, ids, run.config.eval.context_tokens)
     return decide_once(rule, run.grid.paths, shard_routes, prefix, router_log_prior(router, dist))
-
-
-def window_router_dir(run: Run, w: int) -> Path:
-    return run.root / "window_routers" / f"w{w}"
 
 
 def load_window_router(run: Run, shards: ShardSet, w: int) -> BaseRouter | None:
@@ -286,31 +303,17 @@ def segments_of(cuts: list[list[tuple[int, int]]], choice: list[list[str]], r: i
     return [[(lo, hi, [(p, r, 1.0)]) for (lo, hi), p in zip(cs, ps)] for cs, ps in zip(cuts, choice)]
 
 
-def policy_file(run: Run, w: int) -> Path:
-    return window_router_dir(run, w) / "policy.json"
-
-
-def stale_policy(saved: dict, once_name: str) -> str | None:
-    """Why a saved every-W ``policy.json`` must not be followed, or None: one an earlier dipaco chose on the validation
-    documents, or one chosen while routing once used another rule than ``once_name`` (its "stay" was another path)."""
-    if saved.get("split") != "router_docs":
-        return "was chosen on the validation documents (re-run dipaco fit-window-router --overwrite)"
-    if saved.get("once_rule", "shard-router") != once_name:
-        return f"was chosen when routing once used {saved.get('once_rule', 'shard-router')}"
-    return None
-
-
 def every_w_policy(run: Run, shards: ShardSet, router: BaseRouter, w: int, r: int, once: dict,
                    progress: bool = True) -> dict:
     """The rule of every-W routing for this run: the one ``dipaco fit-window-router`` chose on the router documents
     (``RUN/window_routers/w<W>/policy.json``), or, for a run without one (or a stale one, ``stale_policy``), the one the
     router documents choose now among the rules that need no fitting. ``router``: the shard router; ``once``: the
     run's once policy."""
-    f = policy_file(run, w)
+    saved = read_window_policy(run, shards, w)
     why = "chosen now on the router documents"
-    if f.is_file():
-        saved = json.loads(f.read_text(encoding="utf-8"))
+    if saved is not None:
         stale = stale_policy(saved, once["name"])
+        f = policy_file(run, w)
         if stale is None:
             return saved | {"source": str(f)}
         why += f": {f} {stale}"
@@ -429,7 +432,7 @@ def evaluate_run(run: Run, shards: ShardSet, docs: list[dict], ids: list[list[in
         add("routed", once_segments(route_documents(run, None, ids), ids, context, r), routing="the single path of a dense run")
         return rows
     router = shard_router(shards, context)
-    once_choice = once_policy(run, shards, r, progress)
+    once_choice = find_once_policy(run, shards, progress)
     once = once_rule_of(once_choice["chosen"])
     routes = route_once(run, router, scorer, ids, r, once_choice)
     add("routed", once_segments(routes, ids, context, r), once_policy=once_choice,

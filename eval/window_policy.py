@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 MIN_CHUNKS = 200  # fewer re-routed chunks than this: too few to trust a rule over routing once
+RULE_KINDS = ("stay", "shard-router", "window-router", "lagged-loss")
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,9 @@ import numpy as np
 
 from dipaco.command_config import WindowRouterConfig as W  # the defaults, declared once
 from dipaco.errors import DipacoError
-from dipaco.eval.perplexity import (Scorer, check_compatible, choose_every_w, once_policy, once_policy_file, route_once,
-                                   save_once_policy, shard_router, window_router_dir)
+from dipaco.eval.perplexity import (Scorer, check_compatible, choose_every_w, find_once_policy, once_notice, route_once,
+                                   shard_router)
+from dipaco.eval.policy_files import window_router_dir
 from dipaco.eval.window_policy import all_chunk_nll, chunk_cuts
 from dipaco.io import write_json
 from dipaco.outputs import atomic_dir
@@ -75,14 +76,9 @@ def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, 
     if r not in run.rounds:
         raise DipacoError(f"run {run.root} has no round {r}; available: {run.rounds}")
 
-    # the document's path (chunk 0) and "stay" follow the run's once rule; a run without one gets it chosen and saved
-    # (RUN/routing/once.json, as `dipaco choose-routing` does), so that generate routes by the rule this policy builds on
-    saved_once = None
-    if not once_policy_file(run).parent.exists():
-        once = save_once_policy(run.root, shards.root, r, progress=progress)
-        saved_once = once["out"]
-    else:
-        once = once_policy(run, shards, r, progress)
+    # the document's path (chunk 0) and "stay" follow the run's once rule, the one generate and eval route by (a run
+    # without one gets it chosen and saved now)
+    once = find_once_policy(run, shards, progress)
     docs = shards.router_docs()
     ids = [t[:max_tokens] for t in encode(shards.tokenizer(), [d["text"] for d in docs])]
     examples = window_examples(ids, context, window)
@@ -101,8 +97,8 @@ def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, 
         with atomic_dir(out, overwrite=overwrite) as tmp:
             write_json(tmp / "policy.json", policy)
         return {"window": window, "round": r, "examples": len(examples), "router_documents": len(ids), "accuracy": None,
-                "warning": warning, "policy": policy, "once_saved": saved_once, "seconds": round(time.perf_counter() - began, 2),
-                "out": str(out)}
+                "warning": warning, "policy": policy, "once_notice": once_notice(run.root, once),
+                "seconds": round(time.perf_counter() - began, 2), "out": str(out)}
 
     losses = np.concatenate([c[1:] for c in chunk_nll])  # in the order of ``examples``
     labels = losses.argmin(axis=1)
@@ -150,7 +146,7 @@ def fit_window_router(run_dir: str | Path, shards_dir: str | Path, window: int, 
         final.save(tmp)
         write_json(tmp / "policy.json", policy)
     report["policy"] = policy
-    report["once_saved"] = saved_once
+    report["once_notice"] = once_notice(run.root, once)
     report["seconds"] = round(time.perf_counter() - began, 2)
     report["out"] = str(out)
     return report
