@@ -55,6 +55,9 @@ def test_bad_inputs(rr, tmp_path, capsys):
         rr.path_model("7-7")
     with pytest.raises(DipacoError):
         generate(rr, PROMPT, top_p=0.0)
+    for n in (0, -1):  # one rule, one message, from the API and the command line alike
+        with pytest.raises(DipacoError, match=rf"'max_new_tokens' \(--max-new-tokens\) is {n}: ask for at least 1 new token"):
+            generate(rr, PROMPT, max_new_tokens=n)
     assert main(["generate", "--run", str(rr.run.root), "--quiet", ""]) == 2
     assert "empty" in capsys.readouterr().err
     assert main(["generate", "--run", str(rr.run.root), "--path", "9", "--quiet", "x"]) == 2
@@ -68,3 +71,10 @@ def test_generate_cli_prompts_file(rr, tmp_path, capsys):
     out = capsys.readouterr()
     assert out.out.startswith("def f(x):") and "int main" in out.out
     assert out.err.count("# path ") == 2 and "% of the model" in out.err
+    # --prompt TEXT (not an abbreviation of --prompts-file), beside a positional prompt and the file: every one, in order
+    assert main(["generate", "--run", str(rr.run.root), "two words", "--prompt", "In the beginning...", "--prompts-file",
+                 str(prompts), "--max-new-tokens", "2", "--quiet"]) == 0
+    out = capsys.readouterr()
+    assert out.err.count("# path ") == 4
+    starts = [out.out.index(p) for p in ("two words", "In the beginning...", "def f(x):", "int main")]
+    assert starts == sorted(starts)

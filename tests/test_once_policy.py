@@ -77,14 +77,19 @@ def test_choose_once_picks_the_lowest_and_keeps_the_shard_router_without_evidenc
 
 
 # ---------------------------------------------------------------------------------------------------- real runs
+def _fresh_copy(tmp_path_factory, shards_2x2, name: str):
+    """A copy of the shared tiny run without the routing rules earlier tests' commands saved in it."""
+    from eval_helpers import private_run
+
+    out = tmp_path_factory.mktemp(name) / "run"
+    shutil.copytree(private_run(tmp_path_factory, shards_2x2), out, ignore=shutil.ignore_patterns("routing", "window_routers"))
+    return out
+
+
 @pytest.fixture(scope="module")
 def run_copy(tmp_path_factory, shards_2x2):
     """A copy of the shared tiny run (this module writes RUN/routing/ into it)."""
-    from eval_helpers import private_run
-
-    out = tmp_path_factory.mktemp("once") / "run"
-    shutil.copytree(private_run(tmp_path_factory, shards_2x2), out)
-    return out
+    return _fresh_copy(tmp_path_factory, shards_2x2, "once")
 
 
 def _prefix_nll_by_hand(run, ids, context):
@@ -153,3 +158,82 @@ def test_choose_routing_reads_only_router_documents_and_eval_and_generate_follow
     by_hand = _prefix_nll_by_hand(run, [rr.encode(prompt)], 32)[0]
     assert g.paths == [(run.grid.paths[int(by_hand.argmin())], 1.0)] and "prefix-loss" in g.router
     assert g.bytes_loaded == g.bytes_total  # every path was read to choose
+
+
+@pytest.mark.slow
+def test_without_a_saved_rule_eval_and_generate_route_every_document_alike(tmp_path_factory, shards_2x2, monkeypatch,
+                                                                            capsys):
+    """The once rule is decided once: whichever command needs it first (eval here, generate on a second copy) chooses
+    it on the router documents, saves RUN/routing/once.json, and every later command routes by it. The session shards
+    keep two router documents, where the shard router always wins; the choice is forced to prefix-loss so that a
+    command routing by another rule than eval's would send documents elsewhere."""
+    from collections import Counter
+
+    from dipaco.eval import perplexity
+    from dipaco.eval.api import load
+    from dipaco.run import Run
+    from dipaco.shards import ShardSet
+
+    real = perplexity.choose_once
+    monkeypatch.setattr(perplexity, "choose_once", lambda *a: real(*a) | {
+        "chosen": OnceRule("prefix-loss").to_dict(), "name": "prefix-loss", "reason": "forced by the test"})
+    first_eval, first_generate = (_fresh_copy(tmp_path_factory, shards_2x2, n) for n in ("eval-first", "generate-first"))
+
+    rep = perplexity.evaluate({"d": first_eval}, shards_2x2, progress=False, oracle=False, random=False)
+    routed = rep["methods"]["d"]
+    saved = json.loads((first_eval / "routing" / "once.json").read_text())
+    assert saved["name"] == routed["once_policy"]["name"] == "prefix-loss" and routed["once_policy"]["chosen_now"]
+    run, shards = Run(first_eval), ShardSet(shards_2x2)
+    docs = [d["text"] for d in shards.heldout()]
+    _, ids = perplexity.heldout_tokens(shards, run.config.eval.max_tokens_per_doc)
+    scored = [text for text, x in zip(docs, ids) if len(x) > run.config.eval.context_tokens]
+    rr = load(first_eval, progress=False)
+    answers = [rr.path_for(text) for text in scored]  # what generate routes each document's text to
+    assert rr.once_chosen_now is None  # generate read the saved rule
+    assert Counter(answers) == Counter({p: v["documents"] for p, v in routed["per_path"].items() if v["documents"]})
+    assert answers != rr.route(scored)  # the rule matters here: the shard router alone answers otherwise
+
+    # the other order: generate first chooses the same rule, saves it, and eval reads it
+    assert main(["generate", "--run", str(first_generate), "--prompt", scored[0], "--max-new-tokens", "1", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "had no once rule: routing once uses prefix-loss" in err and "saved to" in err
+    assert f"# path {answers[0]}:" in err and "once, prefix-loss" in err
+    assert json.loads((first_generate / "routing" / "once.json").read_text()) == saved
+    assert perplexity.find_once_policy(Run(first_generate), shards)["source"] == str(first_generate / "routing" / "once.json")
+
+
+@pytest.mark.slow
+def test_a_damaged_rule_is_one_line_and_its_command_rewrites_it(tmp_path_factory, shards_2x2, capsys):
+    run = _fresh_copy(tmp_path_factory, shards_2x2, "damaged")
+    s, r = str(shards_2x2), str(run)
+    once, policy = run / "routing" / "once.json", run / "window_routers" / "w64" / "policy.json"
+    commands = {"eval": ["eval", "--run", r, "--shards", s, "--out", str(run.parent / "rep.json"), "--no-oracle",
+                         "--no-random", "--route-every", "64", "--quiet"],
+                "generate": ["generate", "--run", r, "--prompt", "def main():", "--max-new-tokens", "1", "--quiet"],
+                "fit-window-router": ["fit-window-router", "--run", r, "--shards", s, "--window", "64", "--quiet"]}
+
+    def one_line(command: str) -> str:
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"dipaco {command}: error: "), err
+        return err
+
+    once.parent.mkdir()
+    once.write_text('{"chosen": {"kind": "nearest"}, "name": "x", "reason": "y"}')
+    for command, argv in commands.items():
+        assert main(argv) == 2
+        err = one_line(command)
+        assert f"{once} is damaged (unknown rule 'nearest'" in err and "dipaco choose-routing --run" in err
+    assert main(["choose-routing", "--run", r, "--shards", s, "--quiet", "--overwrite"]) == 0
+    assert json.loads(once.read_text())["name"] == "shard-router"
+    capsys.readouterr()
+
+    assert main(commands["fit-window-router"]) == 0  # too few router windows: a policy.json alone
+    assert "too few to fit a window router" in capsys.readouterr().err
+    policy.write_text("{damaged")
+    for command in ("eval", "generate"):
+        assert main(commands[command]) == 2
+        err = one_line(command)
+        assert f"{policy} is damaged (not valid JSON" in err and "dipaco fit-window-router --run" in err
+    assert main([*commands["fit-window-router"], "--overwrite"]) == 0
+    assert json.loads(policy.read_text())["split"] == "router_docs"
+    assert main(commands["generate"]) == 0

@@ -95,11 +95,14 @@ def test_bad_rows_get_one_line_errors(tmp_path):
 
 
 @pytest.mark.slow
-def test_inspect_cli(shards_2x2, tmp_path, capsys):
+def test_inspect_cli(shards_2x2, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # without --png nothing is written, here or anywhere
+    assert main(["inspect", str(shards_2x2)]) == 0
+    assert "no plot written; add --png" in capsys.readouterr().out and not any(tmp_path.iterdir())
     png = tmp_path / "sizes.png"
     assert main(["inspect", str(shards_2x2), "--png", str(png)]) == 0
     out = capsys.readouterr().out
-    assert png.stat().st_size > 1000
+    assert png.stat().st_size > 1000 and f"wrote {png} (the plot of path sizes)" in out
     for p in ShardSet(shards_2x2).paths:
         assert f"| {p} |" in out
     assert "path sizes" in out
