@@ -62,8 +62,8 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
              path: str | None = None, route_every: int | None = None) -> Generation:
     """Greedy when ``temperature`` is 0, else sampling with ``temperature`` and ``top_p`` (seeded).
 
-    The prompt is routed like a document: by the run's once rule (``dipaco choose-routing``; without one, the shard
-    router on its first tokens). ``route_every`` W > 0 re-routes after every W new tokens with the run's every-W
+    The prompt is routed like a document, by the run's once rule (``route_prompt``: the rule eval follows, chosen and
+    saved first when the run has none). ``route_every`` W > 0 re-routes after every W new tokens with the run's every-W
     rule (the best rule that runs one path, chosen on the router documents by ``dipaco fit-window-router``; without
     one, the prompt's path throughout); None does so when the run has exactly one fitted W, 0 never."""
     check_max_new_tokens(max_new_tokens)
