@@ -118,7 +118,9 @@ class _Utf8Check:
 
 
 def missing_column(where, column: str, columns) -> DipacoError:
-    return DipacoError(f"{where} has no column {column!r} (columns: {', '.join(map(str, columns))}); "
+    # repr keeps the message on one line whatever the header holds (a newline in a CSV column name)
+    names = ", ".join(repr(str(c)) for c in columns)
+    return DipacoError(f"{where} has no column {column!r} (columns: {names}); "
                        f"pass --text-column with the right name")
 
 
