@@ -55,7 +55,7 @@ def cmd_shard(args) -> None:
     agree = manifest["route_agreement"]
     if agree["heldout"] is not None:
         print(f"routing: the frozen router gives {agree['heldout']:.1%} of the {agree['heldout_documents']} held-out documents "
-              f"the path the shard stage chose; training documents on their routed path: {agree['train']:.1%}")
+              f"the path the shard stage chose")
 
 
 def print_paths(manifest: dict) -> None:
@@ -73,7 +73,8 @@ def print_paths(manifest: dict) -> None:
     a = manifest.get("assignment") or {}
     if h:
         print(f"path sizes (documents): min {h['min']}, max {h['max']}, mean {h['mean']}, max/mean {h['max_over_mean']}, "
-              f"cv {h['cv']}" + (f"; balance {a['balance']}: cap {a['capacity']}, {a['spilled']} spilled" if a.get("capacity") else "")
+              f"cv {h['cv']}" + (f"; balance {a['balance']}: largest path at {a['shares']['max_over_mean']} x the mean share "
+                                  f"of training documents" if a.get("balance") else "")
               + (f"; overlap {a['overlap']}: {a['overlap_copies']} extra copies" if a.get("overlap", 1) > 1 else ""))
 
 

@@ -46,7 +46,8 @@ class DataConfig:
     max_router_docs: int = 5000
     """Cap on router documents."""
     dedup: bool = True
-    """Drop exact duplicates (same text after stripping, by a 128-bit hash)."""
+    """Drop exact duplicates (same text after stripping, by a 128-bit hash); the first copy in the
+    corpus's order (inputs in order, records in file order) is kept."""
     split: str = flag("train")
     """Split of a hub dataset given as input (local files are read whole)."""
 
@@ -123,8 +124,10 @@ class RoutingConfig:
     """Paths a training document goes to: 1 = its nearest only; n > 1 = its n nearest paths (paper: 2
     in the 16x16 model). Validation, held-out and router documents always go to one path."""
     balance: float = flag(0.0)
-    """If > 0, no path receives more than this many times the mean share of training documents
-    (overflow spills to the next-nearest path); 0 routes every document to its nearest path."""
+    """If > 0, the router carries per-path offsets fitted on the fit sample so that no path takes more than
+    this many times the mean share of its documents; every document then goes to its nearest path with
+    the offsets (the path eval routes it to). On the corpus the cap holds up to sampling error; the
+    manifest reports the shares reached. 0: nearest path, no offsets."""
     product_split: Literal["interleaved", "contiguous"] = "interleaved"
     """How product k-means splits the feature vector over levels: 'interleaved' (dim d -> level d mod L,
     so every level sees high- and low-variance SVD directions) or 'contiguous' (the paper's halves)."""
@@ -145,7 +148,7 @@ class ShardConfig:
     grid: str = flag("2x2")
     """Modules per level: '2x2' = two levels of two modules (4 paths), '5' = flat, '1' = one path."""
     seed: int = flag(0)
-    """Seed for splits, samples and k-means."""
+    """Seed for splits, samples and k-means (every split and sample is a keyed hash of the document under it)."""
     num_proc: int = flag(0)
     """Threads for tokenization (the tokenizer's Rust pool) and torch features; 0 = all cores."""
     data: DataConfig = field(default_factory=DataConfig)

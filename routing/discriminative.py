@@ -20,6 +20,7 @@ import numpy as np
 from dipaco.errors import DipacoError
 from dipaco.grid import format_grid, parse_grid
 from dipaco.routing.features import load_features
+from dipaco.routing.kmeans import row_dot
 from dipaco.routing.prefix import PrefixInput
 from dipaco.routing.base import BaseRouter
 
@@ -41,7 +42,7 @@ class DiscriminativeRouter(BaseRouter):
         self.info = info or {}
 
     def logits(self, x: np.ndarray) -> np.ndarray:
-        return np.asarray(x, dtype=np.float32) @ self.coef.T + self.intercept[None, :]
+        return (row_dot(x, self.coef) + self.intercept[None, :]).astype(np.float32)
 
     def probabilities(self, x: np.ndarray) -> np.ndarray:
         return _softmax(self.logits(x).astype(np.float64))

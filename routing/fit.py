@@ -62,7 +62,7 @@ def fit_router(texts: list[str], grid: str, tokenizer, seed: int = 0, progress: 
     labels = target.path_distances(xd).argmin(axis=1)
     shares = np.bincount(labels, minlength=len(target.paths)).astype(np.float64) + 1.0
     router = fit_discriminative(feats, x, labels, shape, shares, prefix, seed)
-    if r.balance > 0:  # the classifier's argmax must respect the cap too, or the shard stage spills documents
+    if r.balance > 0:  # the classifier's argmax must respect the cap too: the shard stage routes by it
         router.intercept -= calibrate_bias(router.path_distances(x), r.balance)
     agree = float((router.path_distances(x).argmin(axis=1) == labels).mean())
     router.info.update({"target": "document k-means", "target_chars": r.prefix_chars,

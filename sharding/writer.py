@@ -2,16 +2,16 @@
 
 Two streaming passes keep memory bounded however large the corpus grows:
 
-1. read every record once: filter, drop exact duplicates, decide each kept document's role (held-out,
-   router document, or training) from a seeded random stream (when there are more held-out or router
-   candidates than their cap, a seeded uniform subset of them is kept, so they come from the whole
-   corpus, not its first files), and keep a seeded reservoir sample of
-   ``routing.fit_sample`` training documents (each cut to ``SAMPLE_CHARS``). The tokenizer and the
-   router are fitted on that sample.
+1. read every record once: filter, drop exact duplicates (the first copy in the corpus's order is
+   kept), and collect what the caps and the fits need, all decided by the document itself
+   (``sharding.decisions``): its role (held-out, router document, training) from a keyed hash of its
+   digest, and the fit sample as the bottom-k of another (each text cut to ``SAMPLE_CHARS``). The
+   tokenizer and the router are fitted on that sample, the router on ``DECISION_THREADS`` threads.
 2. read the records again and, batch by batch, tokenize them (the tokenizer's Rust thread pool,
    ``num_proc`` threads), route every document by its decoded first ``routing.prefix_tokens`` tokens
-   (the router's one input, the same eval and generate use; nearest path, the ``--balance`` cap,
-   ``--overlap`` copies) and append the tokens and document offsets to the per-path files.
+   (the router's one input, the same eval and generate use; the nearest path, with the ``--balance``
+   offsets the router carries; ``--overlap`` copies) and append the tokens and document offsets to
+   the per-path files.
 
 The files and the manifest are written through ``dipaco.shards.ShardWriter``, the format's one writer.
 Everything is written under a temporary directory renamed into place at the end (``atomic_dir``), so a
@@ -21,7 +21,6 @@ timestamps aside).
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,103 +36,62 @@ from dipaco.outputs import atomic_dir, check_out_dir
 from dipaco.routing import Router
 from dipaco.routing.fit import fit_router
 from dipaco.shards import ShardWriter, read_docs
+from dipaco.routing.base import top_paths
+from dipaco.sharding.decisions import HELDOUT, ROUTER, TRAIN, BottomK, Roles, digest, keys
 from dipaco.sharding.sources import DocumentFilter, describe_inputs, iter_rows
+from dipaco.sharding.threads import decision_threads, set_num_proc
 from dipaco.sharding.tokenizer import encode, load_tokenizer, tokenizer_sha256, train_tokenizer
 
 SAMPLE_CHARS = 4096  # a sampled document keeps this many characters (tokenizer training, router fit)
-DROPPED, TRAIN, HELDOUT, ROUTER = 0, 1, 2, 3
-
-
-def set_num_proc(num_proc: int) -> int:
-    """Threads for the tokenizer's Rust pool (read once, at its first use in a process) and for torch."""
-    n = num_proc or os.cpu_count() or 1
-    if num_proc:
-        os.environ["RAYON_NUM_THREADS"] = str(n)
-    else:
-        os.environ.setdefault("RAYON_NUM_THREADS", str(n))
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    try:
-        import torch
-
-        torch.set_num_threads(n)
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    return n
-
-
-class _Uniform:
-    """A seeded stream of uniforms, drawn in blocks (fast per document, same values however consumed)."""
-
-    def __init__(self, *seed: int, block: int = 4096):
-        self.rng, self.block, self.buf, self.i = np.random.default_rng(list(seed)), block, np.zeros(0), 0
-
-    def __call__(self) -> float:
-        if self.i >= len(self.buf):
-            self.buf, self.i = self.rng.random(self.block), 0
-        self.i += 1
-        return float(self.buf[self.i - 1])
 
 
 def scan(inputs: list[str], cfg: ShardConfig, progress: bool = True) -> dict:
-    """Pass 1: roles of every input record, drop counts, and a reservoir sample of training documents."""
+    """Pass 1: drop counts, the caps of the held-out and router candidates, and the fit sample (the
+    ``routing.fit_sample`` training documents of smallest sample key, each cut to ``SAMPLE_CHARS``)."""
     d = cfg.data
-    filt = DocumentFilter(d.min_chars, d.max_chars, d.dedup)
-    roles = bytearray()
-    draw, pick = _Uniform(cfg.seed, 1), np.random.default_rng([cfg.seed, 2])
-    sample: list[tuple[str, str | None]] = []
-    counts = {"documents": 0, "train": 0, "heldout": 0, "router": 0}
-    aside: dict[int, list[int]] = {HELDOUT: [], ROUTER: []}  # record numbers of the candidates
+    filt = DocumentFilter(d.min_chars, d.max_chars, dedup=False)
+    rule = Roles(d.heldout_fraction, d.router_fraction, d.val_fraction)
+    aside = {HELDOUT: BottomK(d.max_heldout_docs, d.dedup), ROUTER: BottomK(d.max_router_docs, d.dedup)}
+    candidates = {HELDOUT: 0, ROUTER: 0}
+    sample = BottomK(cfg.routing.fit_sample, d.dedup)
+    seen: set[bytes] = set()
+    documents, read = 0, {"invalid_utf8": 0}
     bar = tqdm(desc="scan", unit="doc", disable=not progress, dynamic_ncols=True)
-    read = {"invalid_utf8": 0}
-    for text, label in iter_rows(inputs, d.text_column, d.label_column, d.split, stats=read):
+    for text, _ in iter_rows(inputs, d.text_column, d.label_column, d.split, stats=read):
         text = filt(text)
         bar.update(1)
         if text is None:
-            roles.append(DROPPED)
             continue
-        counts["documents"] += 1
-        u = draw()
-        if u < d.heldout_fraction:
-            aside[HELDOUT].append(len(roles))
-            roles.append(HELDOUT)
-            continue
-        if d.heldout_fraction <= u < d.heldout_fraction + d.router_fraction:
-            aside[ROUTER].append(len(roles))
-            roles.append(ROUTER)
-            continue
-        roles.append(TRAIN)
-        t = counts["train"]
-        counts["train"] += 1
-        item = (text[:SAMPLE_CHARS], None if label is None else str(label))
-        if t < cfg.routing.fit_sample:  # reservoir sampling (Algorithm R), seeded
-            sample.append(item)
+        key = digest(text)
+        if d.dedup:
+            if key in seen:
+                filt.dropped["duplicate"] += 1
+                continue
+            seen.add(key)
+        documents += 1
+        role_key, _, sample_key = keys(key, cfg.seed)
+        wanted = rule.candidate(role_key)
+        if wanted == TRAIN:
+            sample.offer(sample_key, text[:SAMPLE_CHARS])
         else:
-            j = int(pick.integers(0, t + 1))
-            if j < cfg.routing.fit_sample:
-                sample[j] = item
+            aside[wanted].offer(role_key)
+            candidates[wanted] += 1
     bar.close()
-    # Keep a seeded uniform subset of the candidates when there are more than the cap (the first ones
-    # would all come from the first files); the others train. They miss the fit sample, which is only a sample.
-    keep_rng = np.random.default_rng([cfg.seed, 4])
-    for role, cap, key in ((HELDOUT, d.max_heldout_docs, "heldout"), (ROUTER, d.max_router_docs, "router")):
-        candidates = aside[role]
-        if len(candidates) > cap:
-            kept = set(keep_rng.choice(len(candidates), size=cap, replace=False).tolist())
-            for j, i in enumerate(candidates):
-                if j not in kept:
-                    roles[i] = TRAIN
-        counts[key] = min(cap, len(candidates))
-        counts["train"] += len(candidates) - counts[key]
-    if counts["documents"] == 0:
+    del seen
+    rule.fit(aside[HELDOUT], aside[ROUTER])
+    if documents == 0:
         raise DipacoError(f"no usable documents in {', '.join(inputs)} (dropped: {filt.report()}); "
                           f"check --text-column and --min-chars")
-    return {"roles": roles, "sample": sample, "counts": counts, "dropped": filt.report(),
+    heldout, router = (min(candidates[r], max(0, aside[r].k)) for r in (HELDOUT, ROUTER))
+    return {"roles": rule, "sample": [text for _, text in sample.result()], "dropped": filt.report(),
+            "counts": {"documents": documents, "train": documents - heldout - router},
             "invalid_utf8": read["invalid_utf8"]}
 
 
-def _tokenizer_texts(sample: list[tuple[str, str | None]], limit_chars: int) -> list[str]:
+def tokenizer_texts(sample: list[str], limit_chars: int) -> list[str]:
+    """The tokenizer's training texts: the fit sample in its key order, up to ``limit_chars`` characters."""
     out, total = [], 0
-    for text, _ in sample:
+    for text in sample:
         if total >= limit_chars:
             break
         out.append(text)
@@ -152,39 +110,6 @@ def histogram(sizes: list[int], bins: int = 10) -> dict:
             "max_over_mean": round(float(a.max()) / mean, 3) if mean else None,
             "cv": round(float(a.std()) / mean, 3) if mean else None,
             "bins": [round(float(e), 1) for e in edges], "counts": counts.tolist()}
-
-
-class StreamAssigner:
-    """Batch assignment of training documents while streaming: nearest path (the router's distances,
-    balance offsets included), a hard cap of ``capacity`` documents per path when balancing (overflow
-    spills to the next-nearest path with room: the only case where a document trains on another path
-    than the router answers; counted in ``spilled``), and ``overlap`` - 1 extra paths for training documents."""
-
-    def __init__(self, num_paths: int, capacity: int | None, overlap: int):
-        self.capacity, self.overlap = capacity, max(1, overlap)
-        self.load = np.zeros(num_paths, dtype=np.int64)
-        self.spilled = 0
-        self.overlap_copies = 0
-
-    def assign(self, d: np.ndarray, is_val: list[bool]) -> list[list[int]]:
-        order = np.argsort(d, axis=1, kind="stable")
-        out = []
-        for row, val in zip(order.tolist(), is_val):
-            primary = row[0]
-            if self.capacity is not None:
-                for j in row:
-                    if self.load[j] < self.capacity:
-                        primary = j
-                        break
-                if primary != row[0]:
-                    self.spilled += 1
-            self.load[primary] += 1
-            chosen = [primary]
-            if not val and self.overlap > 1:
-                chosen += [j for j in row if j != primary][: self.overlap - 1]
-                self.overlap_copies += len(chosen) - 1
-            out.append(chosen)
-        return out
 
 
 def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: str | None = None,
@@ -210,25 +135,28 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
 
     with atomic_dir(out, overwrite=overwrite) as tmp:
         tok = load_tokenizer(tokenizer_dir) if tokenizer_dir else train_tokenizer(
-            _tokenizer_texts(sample, cfg.tokenizer.train_chars), cfg.tokenizer.vocab_size)
+            tokenizer_texts(sample, cfg.tokenizer.train_chars), cfg.tokenizer.vocab_size)
         tok.save_pretrained(str(tmp / "tokenizer"))
         vocab_size, eos = len(tok), tok.eos_token_id
         dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max else np.uint32
         t_tok = time.perf_counter() - began
 
-        router = fit_router([t for t, _ in sample], cfg.grid, tok, cfg.seed, progress, cfg=cfg.routing)
+        with decision_threads():
+            router = fit_router(sample, cfg.grid, tok, cfg.seed, progress, cfg=cfg.routing)
         router.save(tmp / "router")
         paths = router.paths
         del sample
         t_router = time.perf_counter() - began
 
-        capacity = int(np.ceil(r.balance * counts["train"] / num_paths)) if r.balance > 0 else None
-        assigner = StreamAssigner(num_paths, capacity, r.overlap)
         writer = ShardWriter(tmp, paths, dtype, eos)
-        val_draw = _Uniform(cfg.seed, 3)
-        filt = DocumentFilter(d.min_chars, d.max_chars, dedup=False)  # roles already hold the dedup decision
-        bar = tqdm(total=len(roles), desc="tokenize+route+write", unit="doc", disable=not progress, dynamic_ncols=True)
-        batch: list[tuple[str, str | None, int]] = []
+        filt = DocumentFilter(d.min_chars, d.max_chars, dedup=False)
+        seen: set[bytes] = set()
+        written = {HELDOUT: 0, ROUTER: 0, TRAIN: 0}
+        primary = np.zeros(len(paths), dtype=np.int64)  # training documents per path, before overlap copies
+        overlap_copies = 0
+        bar = tqdm(total=counts["documents"], desc="tokenize+route+write", unit="doc", disable=not progress,
+                   dynamic_ncols=True)
+        batch: list[tuple[str, str | None, int, bool]] = []
         # Tokenizing batch k (Rust, releases the GIL) overlaps with routing and writing batch k-1 (Python);
         # batches are written strictly in order, so the output does not depend on timing. Every document is
         # routed from its own tokens (the decoded prefix), exactly as eval and generate will route it.
@@ -236,35 +164,46 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
         pending: list = []
 
         def route_and_write():
+            nonlocal overlap_copies
             if not pending:
                 return
             future, rows = pending.pop()
             ids = future.result()
-            dist = router.distances_of_ids(ids)
-            train_rows = [i for i, (_, _, role) in enumerate(rows) if role == TRAIN]
-            for i, (text, label, role) in enumerate(rows):
+            with decision_threads():
+                dist = router.distances_of_ids(ids)
+            nearest = dist.argmin(axis=1)
+            top = top_paths(dist, nearest, max(1, r.overlap))
+            for i, (text, label, role, val) in enumerate(rows):
+                written[role] += 1
                 if role != TRAIN:
                     writer.write_doc("heldout" if role == HELDOUT else "router_docs",
-                                     {"text": text, "label": label, "path": paths[int(dist[i].argmin())]})
-            if train_rows:
-                is_val = [val_draw() < d.val_fraction for _ in train_rows]
-                for i, val, targets in zip(train_rows, is_val, assigner.assign(dist[train_rows], is_val)):
-                    writer.write(ids[i], [paths[j] for j in targets], "val" if val else "train", rows[i][1])
+                                     {"text": text, "label": label, "path": paths[int(nearest[i])]})
+                    continue
+                targets = top[i][:1] if val else top[i]
+                primary[targets[0]] += 1
+                overlap_copies += len(targets) - 1
+                writer.write(ids[i], [paths[j] for j in targets], "val" if val else "train", label)
 
         def flush():
-            future = pool.submit(encode, tok, [t for t, _, _ in batch])
+            future = pool.submit(encode, tok, [row[0] for row in batch])
             route_and_write()
             pending.append((future, list(batch)))
             bar.update(len(batch))
             batch.clear()
 
         try:
-            for role, (text, label) in zip(roles, iter_rows(inputs, d.text_column, d.label_column, d.split)):
-                if role == DROPPED:
-                    bar.update(1)
-                    continue
+            for text, label in iter_rows(inputs, d.text_column, d.label_column, d.split):
                 text = filt(text)
-                batch.append((text, None if label is None else str(label), role))
+                if text is None:
+                    continue
+                key = digest(text)
+                if d.dedup:
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                role_key, val_key, _ = keys(key, cfg.seed)
+                role = roles.role(role_key)
+                batch.append((text, None if label is None else str(label), role, role == TRAIN and roles.is_val(val_key)))
                 if len(batch) >= r.batch_size:
                     flush()
             if batch:
@@ -274,6 +213,8 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
             pool.shutdown(wait=True)
             bar.close()
             writer.close()
+        del seen
+        counts.update(train=written[TRAIN], heldout=written[HELDOUT], router=written[ROUTER])
         t_write = time.perf_counter() - began
 
         stats, labels = writer.stats, writer.labels
@@ -296,9 +237,9 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
             "skipped_files": {"count": len(skipped), "examples": skipped[:5]},
             "path_sizes": histogram(writer.documents()),
             "assignment": {"assign": r.assign, "cluster_on": r.cluster_on, "prefix_tokens": r.prefix_tokens,
-                           "balance": r.balance, "capacity": capacity, "spilled": assigner.spilled,
-                           "overlap": r.overlap, "overlap_copies": assigner.overlap_copies},
-            "route_agreement": route_agreement(tmp, assigner.spilled, counts["train"]),
+                           "balance": r.balance, "shares": shares(primary, r.balance),
+                           "overlap": r.overlap, "overlap_copies": overlap_copies},
+            "route_agreement": route_agreement(tmp),
             "purity": {"train": purity(labels)["overall"], "heldout": heldout_purity(tmp)},
             "tokenizer": {"source": str(tokenizer_dir) if tokenizer_dir else "trained", "sha256": sealed.tokenizer_sha256},
             "router": {"sha256": sealed.router_sha256, "fit_documents": min(r.fit_sample, counts["train"]), **sealed.router},
@@ -312,15 +253,27 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
     return manifest
 
 
-def route_agreement(root: Path, spilled: int, train_documents: int) -> dict:
+def shares(primary: np.ndarray, balance: float) -> dict:
+    """What ``--balance`` reached on the whole corpus: each path's share of the training documents (their
+    first path; overlap copies aside) over the mean share, and whether the largest stayed within the cap.
+    The cap is met exactly on the fit sample (the router's offsets); on the corpus up to sampling error."""
+    total = int(primary.sum())
+    over_mean = (primary * len(primary) / total) if total else np.zeros(len(primary))
+    out = {"documents": primary.tolist(), "max_over_mean": round(float(over_mean.max()), 4),
+           "min_over_mean": round(float(over_mean.min()), 4)}
+    if balance > 0:
+        out["within_cap"] = bool(over_mean.max() <= balance)
+    return out
+
+
+def route_agreement(root: Path) -> dict:
     """Share of held-out documents whose path, as written by the shard stage, is the path the frozen router
     (``Router.load(root/router)``, as ``dipaco eval`` loads it) answers from the text alone; 1.0 when routing
-    is one function. Training documents differ only where the ``--balance`` cap spilled them."""
+    is one function. (Training documents sit on the path the router answers by construction: their first one.)"""
     docs = read_docs(root, "heldout")
     routes = Router.load(root / "router").route([x["text"] for x in docs]) if docs else []
     same = sum(r == x["path"] for r, x in zip(routes, docs))
-    return {"heldout": same / len(docs) if docs else None, "heldout_documents": len(docs),
-            "train": 1.0 - spilled / train_documents if train_documents else None}
+    return {"heldout": same / len(docs) if docs else None, "heldout_documents": len(docs)}
 
 
 def heldout_purity(root: Path) -> float | None:

@@ -29,7 +29,6 @@ def test_shard_and_eval_route_every_document_the_same_way(shards_2x2, tmp_path_f
     m = s.manifest
     agree = m["route_agreement"]
     assert agree["heldout"] == 1.0 and agree["heldout_documents"] == m["heldout_documents"] > 0
-    assert agree["train"] == pytest.approx(1 - m["assignment"]["spilled"] / m["train_documents"])
     assert 0 < m["purity"]["train"] <= 1 and 0 < m["purity"]["heldout"] <= 1
     # what eval does (held-out documents cut to a run's max tokens, routed from their ids) gives the
     # path the shard stage wrote
@@ -40,8 +39,7 @@ def test_shard_and_eval_route_every_document_the_same_way(shards_2x2, tmp_path_f
     val_docs, val_ids = validation_tokens(s, 10_000)
     assert len(val_docs) == sum(p["val_docs"] for p in m["paths"].values())
     routed = shard_router(s, 32).route_ids(val_ids)
-    same = np.mean([r == d["path"] for r, d in zip(routed, val_docs)])
-    assert same >= agree["train"] - 0.05  # only the --balance cap moves a document off its routed path
+    assert routed == [d["path"] for d in val_docs]  # --balance moves no document off its routed path
     # the router reads the first 32 tokens and nothing else
     router = Router.load(shards_2x2 / "router")
     text = _texts(shards_2x2 / "heldout" / "docs.jsonl")[0]
@@ -79,7 +77,7 @@ def test_document_clusters_learned_from_the_prefix(corpus_file, shards_2x2, tmp_
     assert router["kind"] == "discriminative" and router["target"] == "document k-means"
     assert 0.5 < router["target_agreement_on_fit_sample"] <= 1.0
     assert m["route_agreement"]["heldout"] == 1.0  # the classifier that sharded is the one that answers
-    assert m["route_agreement"]["train"] >= 0.97  # its offsets keep the --balance cap: hardly a document spills
+    assert m["assignment"]["shares"]["within_cap"]  # its offsets keep the --balance cap (1.2) on the corpus
     assert min(p["train_docs"] for p in m["paths"].values()) > 0
 
 

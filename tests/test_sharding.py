@@ -95,19 +95,18 @@ def test_existing_output_is_kept(shards_2x2, corpus_file):
 def test_capped_heldout_set_is_drawn_from_the_whole_corpus(tmp_path, corpus_file):
     # The corpus file is sorted by label; a cap that the first label alone would fill must still
     # leave held-out documents of every label (a uniform subset of the candidates, not the first ones).
-    from dipaco.sharding.writer import scan
-
     rows = [json.loads(l) for l in corpus_file.read_text().splitlines()]
     rows.sort(key=lambda r: r["domain"])
     data = tmp_path / "sorted.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    labels = {r["domain"] for r in rows}
     cfg = shard_config("2x2", "data.heldout_fraction=0.4", "data.max_heldout_docs=12", "data.router_fraction=0.0")
-    scanned = scan([str(data)], cfg, progress=False)
-    counts = scanned["counts"]
-    assert counts["heldout"] == 12 and counts["train"] + counts["heldout"] + counts["router"] == counts["documents"]
     out = tmp_path / "s"
-    shard([str(data)], cfg, out, progress=False)
-    held = [json.loads(l)["label"] for l in (out / "heldout" / "docs.jsonl").read_text().splitlines()]
-    first, last = sorted(labels)[0], sorted(labels)[-1]
-    assert len(held) == 12 and len(set(held)) >= 3 and first in held and last in held, held
+    m = shard([str(data)], cfg, out, progress=False)
+    assert m["heldout_documents"] == 12
+    assert m["train_documents"] + m["heldout_documents"] + m["router_documents"] == m["documents"]
+    held = [json.loads(l) for l in (out / "heldout" / "docs.jsonl").read_text().splitlines()]
+    where = {r["text"].strip(): i for i, r in reversed(list(enumerate(rows)))}
+    positions = [where[d["text"]] / len(rows) for d in held]
+    # twelve uniform draws all in one half of the file: probability 1 in 2,000
+    assert len(held) == 12 and min(positions) < 0.5 < max(positions), positions
+    assert len({d["label"] for d in held}) >= 3

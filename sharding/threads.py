@@ -1,0 +1,45 @@
+"""Threads of the shard stage: how many a process uses, and the fixed count of the work that decides paths.
+
+Parallel floating-point code (BLAS, LAPACK, faiss's OpenMP, torch) may split a sum differently on a
+different number of threads and round differently; a document near the boundary between two paths
+then changes path. The fits (tokenizer, features, k-means, offsets) and the routing of each block
+therefore run on ``DECISION_THREADS`` threads whatever ``--num-proc`` says, so the shard directory has
+the same bits on one core or sixty-four. (Per-document distances of tf-idf routers are also computed
+in a fixed order per row, ``dipaco.routing.kmeans.row_dot``, so they do not depend on the batch either.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+DECISION_THREADS = 1
+
+
+def set_num_proc(num_proc: int) -> int:
+    """Threads for the tokenizer's Rust pool (read once, at its first use in a process); 0 = all cores."""
+    n = num_proc or os.cpu_count() or 1
+    if num_proc:
+        os.environ["RAYON_NUM_THREADS"] = str(n)
+    else:
+        os.environ.setdefault("RAYON_NUM_THREADS", str(n))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    return n
+
+
+@contextlib.contextmanager
+def decision_threads():
+    """Run the body with BLAS/OpenMP (threadpoolctl), faiss and torch pinned to ``DECISION_THREADS``."""
+    import faiss
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    before_faiss, before_torch = faiss.omp_get_max_threads(), torch.get_num_threads()
+    faiss.omp_set_num_threads(DECISION_THREADS)
+    torch.set_num_threads(DECISION_THREADS)
+    try:
+        with threadpool_limits(limits=DECISION_THREADS):
+            yield
+    finally:
+        faiss.omp_set_num_threads(before_faiss)
+        torch.set_num_threads(before_torch)
