@@ -124,7 +124,7 @@ def route_prompt(rr: RoutedRun, prompt: str, round: int | None = None) -> tuple[
     context = rr.run.config.eval.context_tokens
     tokens = rr.encode(prompt)[:context]
     if rule.kind == "shard-router" or len(tokens) < 2:
-        why = "chosen on the router documents" if rule.kind == "shard-router" else f"{rule.name} needs 2 prompt tokens"
+        why = f"{rule.name}, chosen on the router documents" if rule.kind == "shard-router" else f"{rule.name} needs 2 prompt tokens"
         return shard_path, f"shard router on the prompt's first tokens ({why})", []
     ids, paths = torch.tensor([tokens]), rr.run.grid.paths
     nll = []

@@ -167,7 +167,7 @@ def reshard(run_dir: str | Path, shards_dir: str | Path, out: str | Path, target
             "tokens": writer.tokens, "path_sizes": histogram(writer.documents()),
             "router": {"sha256": sealed.router_sha256, **sealed.router},
             "tokenizer": {**shards.manifest["tokenizer"], "sha256": sealed.tokenizer_sha256},
-            "route_agreement": route_agreement(tmp, 0, total),
+            "route_agreement": route_agreement(tmp),
             "purity": {"train": None, "heldout": heldout_purity(tmp)},
             "fingerprint": sealed.fingerprint, "reshard": {"source": str(shards.root.resolve()), "run": str(run.root.resolve()),
                                                            **report},

@@ -32,7 +32,7 @@ def test_flat_router_purity_on_five_domains(tmp_path, cluster_on):
     per_path = purity(labels)["per_path"]
     overall = purity(labels)["overall"]
     print(json.dumps(labels, indent=1), overall)
-    assert manifest["route_agreement"]["train"] == 1.0  # no cap: every document trains on the path that answers for it
+    assert manifest["route_agreement"]["heldout"] in (None, 1.0)  # the router that sharded is the one that answers
     if cluster_on == "document":  # paths defined on whole documents: nearly one domain each (0.90 measured)
         assert overall >= 0.85 and min(v for v in per_path.values() if v is not None) >= 0.75
     else:  # 32 tokens of tf-idf alone separate the domains less well (0.64 measured; chance is 0.2)
