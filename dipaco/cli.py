@@ -13,6 +13,9 @@ from dipaco import config as C
 from dipaco.errors import DipacoError
 from dipaco.flags import HelpFormatter, add_flags, flags_of
 from dipaco.outputs import check_out_dir, check_out_file, check_writable, os_error_line
+from dipaco.ray_cluster import ClusterUnreachable
+from dipaco.storage import Storage, is_url
+from dipaco.supervise import LOST
 
 
 def _config_args(p: argparse.ArgumentParser, cls, func, example: str) -> None:
@@ -117,10 +120,16 @@ def cmd_train(args) -> None:
     cfg = _resolve(args, C.TrainConfig)
     if args.workers is not None and args.workers < 1:  # 0 too: it is not "no workers", it is nonsense
         raise DipacoError(f"--workers must be >= 1, got {args.workers}")
-    if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 checks: it alone writes the run directory
+    remote = is_url(args.out)
+    if remote and cfg.engine != "ray":
+        raise DipacoError(f"--out {args.out}: a run in object storage is trained by the task queue; add --engine ray "
+                          f"(or train into a local --out)")
+    if os.environ.get("RANK", "0") == "0" and not remote:  # under torchrun rank 0 checks: it alone writes the run
         # --out is a new or empty directory or a dipaco run (train decides about --resume), never an input
         check_out_dir(args.out, "run", inputs={"--shards": args.shards, "--init-from": cfg.init_from,
                                                "--config": args.config})
+    if args.resume and not Storage(args.out).exists("run.json"):
+        raise DipacoError(f"--resume: {args.out} holds no run (no run.json); drop --resume to start a new run there")
     if cfg.engine == "ray":
         return _train_on_ray(cfg, args)
     if args.workers:
@@ -142,6 +151,22 @@ def _train_on_ray(cfg, args) -> None:
                           f"workers: drop one of the two")
     if os.environ.get("WORLD_SIZE", "1") != "1":
         raise DipacoError("--engine ray runs one driver, not one per torchrun rank; start it without torchrun")
+    if cfg.ray.address and not args.keep_going:  # before anything else: a wrong address costs one line, at once
+        from dipaco.ray_cluster import reachable, start_hint
+
+        if why := reachable(cfg.ray.address):
+            raise ClusterUnreachable(f"no Ray cluster answers at --address {cfg.ray.address} ({why}); "
+                                     f"{start_hint(cfg.ray.address)}")
+    if args.keep_going:
+        from dipaco.ray_cluster import split_address
+        from dipaco.supervise import supervise
+
+        if not cfg.ray.address:
+            raise DipacoError("--keep-going waits for a cluster at --address; without --address the local Ray lives and "
+                              "dies with this command: start a cluster (README: Ray clusters) and pass its --address")
+        split_address(cfg.ray.address)
+        return supervise([a for a in args.argv if a != "--keep-going"], cfg.ray.address,
+                         lambda: Storage(args.out).exists("run.json"))
     try:
         from dipaco.ray_engine import train_ray
     except ModuleNotFoundError as exc:
@@ -330,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "with --engine ray: the CPUs of the local Ray it starts (default: one per core)")
     p.add_argument("--max-restarts", type=int, default=0, help="with --workers: torchrun restarts after a crash "
                    "(each restart resumes from the last complete round)")
+    p.add_argument("--keep-going", action="store_true", help="with --engine ray --address: survive the loss of the "
+                   "cluster (wait for it, then resume from what storage holds); ends when the run is done or on an "
+                   "error that is not a loss of machines")
     _config_args(p, C.TrainConfig, cmd_train, example="inner.lr=1e-3")
 
     p = sub.add_parser("eval", help="routed perplexity on the held-out documents")
@@ -401,6 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         rc = args.func(args)
+    except ClusterUnreachable as exc:  # under --keep-going the supervisor waits for the cluster (it said so)
+        if os.environ.get("DIPACO_SUPERVISED"):
+            return LOST
+        print(f"dipaco {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except DipacoError as exc:
         print(f"dipaco {args.command}: error: {exc}", file=sys.stderr)
         return 2
