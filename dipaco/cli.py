@@ -14,6 +14,7 @@ from dipaco.errors import DipacoError
 from dipaco.flags import HelpFormatter, add_flags, flags_of
 from dipaco.outputs import check_out_dir, check_out_file, check_writable, os_error_line
 from dipaco.ray_cluster import ClusterUnreachable
+from dipaco.runstore import local_shards, pull_run
 from dipaco.storage import Storage, is_url
 from dipaco.supervise import LOST
 
@@ -202,8 +203,8 @@ def cmd_eval(args) -> None:
     runs = {}
     for spec in args.run:
         name, _, path = spec.rpartition("=")
-        runs[name or path.rstrip("/").split("/")[-1]] = path
-    report = evaluate(runs, args.shards, cfg.round, progress=not args.quiet, baseline=cfg.baseline or None,
+        runs[name or path.rstrip("/").split("/")[-1]] = str(pull_run(path))  # a run in a bucket: its local copy
+    report = evaluate(runs, local_shards(args.shards), cfg.round, progress=not args.quiet, baseline=cfg.baseline or None,
                       route_every=cfg.route_every, oracle=cfg.oracle, random=cfg.random,
                       early_stopping=cfg.early_stopping, mixture=cfg.mixture or 0, temperature=cfg.temperature,
                       seed=cfg.seed, split=cfg.split)
@@ -228,7 +229,7 @@ def cmd_generate(args) -> None:
     if not prompts:
         raise DipacoError("no prompt given; pass a prompt as an argument, --prompt TEXT or --prompts-file FILE "
                           "(one prompt a line)")
-    rr = load(args.run, args.shards, progress=not args.quiet)
+    rr = load(pull_run(args.run), local_shards(args.shards), progress=not args.quiet)
     for n, prompt in enumerate(prompts):
         g = generate(rr, prompt, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                      seed=cfg.seed, round=cfg.round, mixture=cfg.mixture or 0, mixture_temperature=cfg.mixture_temperature,
@@ -313,8 +314,9 @@ def cmd_export(args) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
-    check_out_dir(args.out, "export", inputs={"--run": args.run, "--shards": args.shards}, overwrite=args.overwrite)
-    rr = load(args.run, args.shards)
+    run, shards = pull_run(args.run), local_shards(args.shards)  # from a bucket: local copies
+    check_out_dir(args.out, "export", inputs={"--run": str(run), "--shards": str(shards)}, overwrite=args.overwrite)
+    rr = load(run, shards)
     out = rr.export(rr.check_path(args.path), args.out, args.round, args.overwrite)
     loaded, total = rr.bytes_of([args.path], args.round)
     print(f"exported path {args.path} of {args.run} to {out} ({loaded / 1e6:.2f} MB of {total / 1e6:.2f} MB of modules); "

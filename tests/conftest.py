@@ -86,3 +86,17 @@ def s3_server():
     server = start_s3_server()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """The session's local multi-node Ray cluster: a head node (1 CPU) and one worker node (1 CPU), two machines as
+    Ray sees them, on localhost (tests/test_ray_engine.py, tests/test_ray_storage.py)."""
+    pytest.importorskip("ray", reason="the Ray engine needs the ray extra: pip install -e '.[ray]'")
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    yield c
+    c.shutdown()

@@ -31,18 +31,6 @@ ROUNDS, H = 3, 10
 
 
 @pytest.fixture(scope="session")
-def cluster():
-    """A head node (1 CPU) and one worker node (1 CPU): two machines, as Ray sees them, on localhost."""
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    yield c
-    c.shutdown()
-
-
-@pytest.fixture(scope="session")
 def shards_4x4(corpus_file, tmp_path_factory) -> Path:
     """16 paths (i.i.d. shards: the small test corpus does not spread over 16 k-means paths)."""
     from dipaco.sharding.writer import shard
