@@ -316,6 +316,9 @@ class RayConfig:
     """torch threads of a phase, pinned so that a retry on another worker computes the same bytes."""
     executors: int = 1
     """Outer-step executors (restartable Ray actors); the module groups are spread over them."""
+    gpus_per_phase: float = 1.0
+    """With --device cuda (or auto on a cluster with GPUs): the GPUs a phase asks Ray for; a fraction (0.5) packs
+    that many phases on one GPU."""
 
     def check(self, at: str) -> None:
         for key in ("max_retries", "quorum"):
@@ -324,6 +327,9 @@ class RayConfig:
             positive(at + key, getattr(self, key))
         if self.grace < 0:
             raise DipacoError(f"config: '{at}grace' must be >= 0 seconds, got {self.grace}")
+        if not 0 < self.gpus_per_phase <= 64:
+            raise DipacoError(f"config: '{at}gpus_per_phase' must be in (0, 64] (a fraction shares a GPU), "
+                              f"got {self.gpus_per_phase}")
 
 
 @dataclass
