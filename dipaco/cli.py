@@ -39,7 +39,8 @@ def cmd_shard(args) -> None:
     cfg = _resolve(args, C.ShardConfig)
     check_out_dir(args.out, "shards", inputs={"--data": args.data, "--tokenizer": args.tokenizer, "--config": args.config,
                                               "--feature-model": cfg.routing.feature_model}, overwrite=args.overwrite)
-    manifest = shard(args.data, cfg, args.out, args.tokenizer, args.overwrite, progress=not args.quiet)
+    manifest = shard(args.data, cfg, args.out, args.tokenizer, args.overwrite, progress=not args.quiet,
+                     engine=args.engine, address=args.address, resume=args.resume)
     print(f"wrote {args.out} in {manifest['seconds']:.1f} s: {manifest['train_documents']} training, "
           f"{manifest['heldout_documents']} held-out and {manifest['router_documents']} router documents on grid "
           f"{manifest['grid']}, vocabulary {manifest['vocab_size']}; dropped {manifest['dropped']}, "
@@ -317,10 +318,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("shard", help="route a corpus into per-path token shards")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE_OR_DIR",
-                   help="JSON lines (.jsonl/.jsonl.gz), parquet, CSV or text files or directories, or a hub dataset name")
+                   help="JSON lines (.jsonl/.jsonl.gz), parquet, CSV or text files or directories, s3:// or gs:// URLs "
+                        "(the s3 / gcs extras), a save_to_disk directory, or a hub dataset name")
     p.add_argument("--out", required=True, help="shard directory to create")
     p.add_argument("--tokenizer", help="use this Hugging Face tokenizer directory instead of training one")
     p.add_argument("--overwrite", action="store_true", help="replace --out once the new shards are complete")
+    p.add_argument("--engine", choices=["local", "ray"], default="local",
+                   help="local: --num-proc processes of this machine (default); ray: Ray tasks, retried when a worker is lost")
+    p.add_argument("--address", default="", metavar="ADDR",
+                   help="with --engine ray: the cluster to join ('auto' or the head's host:port); default: a local Ray")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a killed run of the same command: reuse its committed blocks (beside --out, in .<out>.work)")
     _config_args(p, C.ShardConfig, cmd_shard, example="routing.svd_dims=32")
 
     p = sub.add_parser("train", help="train path workers with DiLoCo-style module averaging")

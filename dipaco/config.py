@@ -50,12 +50,18 @@ class DataConfig:
     corpus's order (inputs in order, records in file order) is kept."""
     split: str = flag("train")
     """Split of a hub dataset given as input (local files are read whole)."""
+    block_bytes: int = 64 << 20
+    """The shard stage's unit of work: a JSON-lines file larger than this is cut into newline-aligned byte
+    ranges of about this size, parquet into runs of row groups, a saved dataset into row ranges. Any value
+    gives the same shard directory; smaller blocks spread a corpus over more workers."""
 
     def check(self, at: str) -> None:
         for key in ("heldout_fraction", "val_fraction", "router_fraction"):
             fraction(at + key, getattr(self, key))
         if self.heldout_fraction + self.router_fraction + self.val_fraction >= 1.0:
             raise DipacoError(f"config: {at}heldout_fraction + {at}router_fraction + {at}val_fraction must be < 1")
+        if self.block_bytes < 1:
+            raise DipacoError(f"config: '{at}block_bytes' must be >= 1, got {self.block_bytes}")
         for key in ("max_router_docs", "max_heldout_docs", "min_chars"):
             at_least(at + key, getattr(self, key), 0)
         if self.max_chars < max(1, self.min_chars):
@@ -150,7 +156,8 @@ class ShardConfig:
     seed: int = flag(0)
     """Seed for splits, samples and k-means (every split and sample is a keyed hash of the document under it)."""
     num_proc: int = flag(0)
-    """Threads for tokenization (the tokenizer's Rust pool) and torch features; 0 = all cores."""
+    """Worker processes of this machine, one block of the corpus each at a time (with --engine ray: CPUs of the
+    local Ray it starts); 0 = all cores. Any number gives the same shard directory."""
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -309,6 +316,9 @@ class RayConfig:
     """torch threads of a phase, pinned so that a retry on another worker computes the same bytes."""
     executors: int = 1
     """Outer-step executors (restartable Ray actors); the module groups are spread over them."""
+    gpus_per_phase: float = 1.0
+    """With --device cuda (or auto on a cluster with GPUs): the GPUs a phase asks Ray for; a fraction (0.5) packs
+    that many phases on one GPU."""
 
     def check(self, at: str) -> None:
         for key in ("max_retries", "quorum"):
@@ -317,6 +327,9 @@ class RayConfig:
             positive(at + key, getattr(self, key))
         if self.grace < 0:
             raise DipacoError(f"config: '{at}grace' must be >= 0 seconds, got {self.grace}")
+        if not 0 < self.gpus_per_phase <= 64:
+            raise DipacoError(f"config: '{at}gpus_per_phase' must be in (0, 64] (a fraction shares a GPU), "
+                              f"got {self.gpus_per_phase}")
 
 
 @dataclass

@@ -9,7 +9,6 @@ preflight, resume checks, creation, round 0), and the trained directory read bac
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 import dipaco
 from dipaco import checkpoint
 from dipaco.config import TrainConfig, from_dict, read_toml, to_dict, to_toml
+from dipaco.devices import resolve_device
 from dipaco.errors import DipacoError
 from dipaco.grid import Grid, format_grid, parse_grid
 from dipaco.io import atomic_write_text, read_json, write_json
@@ -82,14 +82,6 @@ class Plan:
     def validator_ranks(self) -> dict[str, int]:
         """The rank that validates each path: the lowest rank training it."""
         return {p: min(self.ranks[i] for i, q in enumerate(self.paths) if q == p) for p in self.paths}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise DipacoError("device 'cuda' requested but CUDA is not available; use --device cpu or auto")
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 # ------------------------------------------------------------------------------ the run directory's lifecycle

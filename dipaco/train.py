@@ -35,7 +35,8 @@ from dipaco.grid import Grid, format_grid
 from dipaco.io import log, write_json
 from dipaco.model import PathModel, count_parameters, init_modules, llama_config, new_model
 from dipaco.outer import OuterOptimizer
-from dipaco.run import Plan, RunDirectory, build_grid, init_from_dense, resolve_device
+from dipaco.devices import deterministic, resolve_device
+from dipaco.run import Plan, RunDirectory, build_grid, init_from_dense
 from dipaco.shards import ShardSet
 from dipaco.sync import ModuleSync
 from dipaco.trainee import Trainee, fixed_windows, inner_step, make_trainee, round_losses, validate
@@ -46,6 +47,7 @@ def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume:
     shards, run_dir = ShardSet(shards_dir), Path(run_dir)
     grid = build_grid(cfg, cfg.grid.shape or shards.grid)
     device = resolve_device(cfg.device)
+    deterministic(device)  # same bits as the Ray engine's phases on the same GPU (and as a rerun)
     resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted us
     with closing(make_world(cfg, str(device))) as world:
         torch.manual_seed(cfg.seed)

@@ -4,8 +4,8 @@ The rule is DESIGN.md's: `cli.py` and `quickstart.py` sit on top and call every 
 use `routing` and the core; `routing` uses the core; the core (everything in `dipaco/` but cli and
 quickstart) never imports a stage. One more edge is established and kept: eval reads the tokenizer through
 `dipaco.sharding.tokenizer` (eval/documents.py, eval/window_router.py), so eval stands above sharding and
-sharding never imports eval. And comm.py is the only file that imports torch.distributed, ray_engine.py the only one that
-imports ray.
+sharding never imports eval. And comm.py is the only file that imports torch.distributed; ray_engine.py and ray_tasks.py the only
+ones that import ray.
 
 Every import counts, also one inside a function (a lazy import hides a circle from Python, not from a reader:
 `config.py` -> `streaming.py` -> `model.py` -> `config.py` was one); only imports under `if TYPE_CHECKING:`
@@ -181,9 +181,12 @@ def test_core_stands_on_at_most_six_floors():
 
 
 def test_only_the_ray_engine_imports_ray():
-    """Ray is an optional extra: one file uses it, and nothing the main job runs imports that file at module level."""
+    """Ray is an optional extra: the train engine (ray_engine.py) and the shard stage's plain retried tasks
+    (ray_tasks.py: a core file, so the stage hands it functions and it imports no stage) use it, and each
+    is imported only by its one caller, for --engine ray."""
     _, raw = imports(modules())
     users = sorted(m for m, names in raw.items() if any(n == "ray" or n.startswith("ray.") for n in names))
-    assert users == ["dipaco.ray_engine"], users
+    assert users == ["dipaco.ray_engine", "dipaco.ray_tasks"], users
     graph, _ = imports(modules())
     assert [m for m, ts in graph.items() if "dipaco.ray_engine" in ts] == ["dipaco.cli"]  # lazily, for --engine ray
+    assert [m for m, ts in graph.items() if "dipaco.ray_tasks" in ts] == ["dipaco.sharding.engines"]

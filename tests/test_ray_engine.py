@@ -31,15 +31,9 @@ ROUNDS, H = 3, 10
 
 
 @pytest.fixture(scope="session")
-def cluster():
-    """A head node (1 CPU) and one worker node (1 CPU): two machines, as Ray sees them, on localhost."""
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    yield c
-    c.shutdown()
+def cluster(ray_cluster):
+    """The session's two-node local cluster (tests/conftest.py)."""
+    return ray_cluster
 
 
 @pytest.fixture(scope="session")
