@@ -51,6 +51,10 @@ from dipaco.sharding.tokenizer import load_tokenizer, tokenizer_sha256, train_to
 WORK_MARK = "work.json"
 
 
+class ResumeRefused(DipacoError):
+    """--resume met work made under another fingerprint: refused, and the work is left as it was."""
+
+
 def _sha(*items) -> str:
     return hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()
 
@@ -84,7 +88,7 @@ def check_committed(work: Path, folder: str, expected: dict[str, str]) -> int:
         if meta is None:
             continue
         if meta.get("fingerprint") != expected.get(part.name):
-            raise DipacoError(f"--resume: {part} was made from other inputs, config or seed than this command's "
+            raise ResumeRefused(f"--resume: {part} was made from other inputs, config or seed than this command's "
                               f"({meta.get('block', '?')}); rerun without --resume to start over")
         reused += 1
     return reused
@@ -107,7 +111,7 @@ def fit_step(work: Path, scanned: dict, cfg: ShardConfig, tokenizer_dir: str | N
     final = work / "fits"
     meta = read_meta(final)
     if meta is not None and meta["fingerprint"] != fingerprint:
-        raise DipacoError(f"--resume: {final} was fitted for other inputs, config or seed than this command's; "
+        raise ResumeRefused(f"--resume: {final} was fitted for other inputs, config or seed than this command's; "
                           f"rerun without --resume to start over")
     if meta is None:
         began = time.perf_counter()
@@ -176,8 +180,9 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
             "inputs": input_info, "skipped": [str(f) for f in skipped_files], "threads": threads, "began": began,
             "timing": {"scan": round(t_scan, 2), **fitted["timing"], "write": round(t_write - t_fit, 2)},
             "execution": execution})
-    except Exception:
-        shutil.rmtree(work, ignore_errors=True)  # a bad input or a failed task: nothing worth resuming
+    except Exception as exc:
+        if not isinstance(exc, ResumeRefused):  # a bad input or a failed task: nothing worth resuming
+            shutil.rmtree(work, ignore_errors=True)
         raise
     finally:
         if runner is not None:

@@ -89,10 +89,10 @@ def s3_server():
 
 
 @pytest.fixture(scope="session")
-def cluster():
-    """The session's local multi-node Ray cluster: a head node (1 CPU) and one worker node (1 CPU), two machines as
-    Ray sees them, on localhost (tests/test_ray_engine.py, tests/test_ray_storage.py)."""
-    pytest.importorskip("ray", reason="the Ray engine needs the ray extra: pip install -e '.[ray]'")
+def ray_cluster():
+    """One local multi-node Ray cluster per test session: a head node and a worker node of 1 CPU each (two
+    machines, as Ray sees them, on localhost). The train engine's and the shard stage's Ray tests share it."""
+    pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
     from ray.cluster_utils import Cluster
 
     c = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1, "include_dashboard": False})

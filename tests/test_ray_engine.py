@@ -31,6 +31,12 @@ ROUNDS, H = 3, 10
 
 
 @pytest.fixture(scope="session")
+def cluster(ray_cluster):
+    """The session's two-node local cluster (tests/conftest.py)."""
+    return ray_cluster
+
+
+@pytest.fixture(scope="session")
 def shards_4x4(corpus_file, tmp_path_factory) -> Path:
     """16 paths (i.i.d. shards: the small test corpus does not spread over 16 k-means paths)."""
     from dipaco.sharding.writer import shard

@@ -1,7 +1,7 @@
 """The task queue on a bucket, without a babysitter, behind a closed door (slow tier).
 
 A real S3-compatible server process (moto's server mode, the session's `s3_server`, checked to refuse a second
-`If-None-Match: *` write) and the session's local multi-node Ray cluster (`cluster`). Every run is the real CLI in its
+`If-None-Match: *` write) and the session's local multi-node Ray cluster (`ray_cluster`). Every run is the real CLI in its
 own process, compared bit for bit (modules, outer momentum, every trainee's AdamW moments, step and data cursor)
 with the in-process engine's local run of the same config: a 2x2 run into s3:// with a worker SIGKILLed mid-phase,
 two attempts of one phase that both finish (the second commit refused, its objects never read), eval on the bucket
@@ -126,12 +126,12 @@ def bucket(s3_server, monkeypatch):
     return f"s3://{s3_server.make_bucket()}"
 
 
-def test_a_bucket_run_with_a_worker_killed_is_the_in_process_run_bit_for_bit(shards_2x2, cluster, reference, bucket,
+def test_a_bucket_run_with_a_worker_killed_is_the_in_process_run_bit_for_bit(shards_2x2, ray_cluster, reference, bucket,
                                                                               tmp_path):
     from dipaco.storage import Storage
 
     url = f"{bucket}/run"
-    proc = start(command(shards_2x2, url, address=cluster.address), env={"DIPACO_TEST_DELAY": "1:1:60"})
+    proc = start(command(shards_2x2, url, address=ray_cluster.address), env={"DIPACO_TEST_DELAY": "1:1:60"})
     victim = wait_for(lambda: (a := attempts(Storage(url), 1, "trainee_1")) and a[0], "phase (1, 1) to start")
     time.sleep(1.0)  # asleep halfway through its inner steps now
     os.kill(victim["pid"], signal.SIGKILL)
@@ -155,7 +155,7 @@ def test_a_bucket_run_with_a_worker_killed_is_the_in_process_run_bit_for_bit(sha
     assert reports[0] == reports[1] and reports[0]
 
 
-def test_two_attempts_of_a_phase_finish_and_only_the_first_commit_is_read(shards_2x2, cluster, reference, bucket):
+def test_two_attempts_of_a_phase_finish_and_only_the_first_commit_is_read(shards_2x2, ray_cluster, reference, bucket):
     """Round 1 (the in-process run's) in the bucket; phase (trainee 1, round 2) run twice by hand, as a worker presumed
     lost and its retry would: the second commit is refused, the loser's objects are then damaged on purpose, and the
     Ray engine resumes the run through that queue to the in-process run's bits."""
@@ -191,7 +191,7 @@ def test_two_attempts_of_a_phase_finish_and_only_the_first_commit_is_read(shards
     assert len(losers) == 1
     for name in s.list(f"{store.phase_key(1, 1)}/{losers[0]}"):  # were they ever read, the run would fail or differ
         s.write(f"{store.phase_key(1, 1)}/{losers[0]}/{name}", b"not what was committed")
-    finish(start(command(shards_2x2, url, address=cluster.address, resume=True)))
+    finish(start(command(shards_2x2, url, address=ray_cluster.address, resume=True)))
     run = local_copy(url)
     assert_same_state(reference, run)
     rounds = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -229,7 +229,7 @@ def test_the_whole_cluster_killed_and_restarted_under_keep_going(shards_2x2, ref
     assert err.count("waiting for the Ray cluster") == 1, err[-2000:]
 
 
-def test_a_phase_that_raises_fails_the_run_in_one_line_without_retries(shards_2x2, cluster, reference, tmp_path):
+def test_a_phase_that_raises_fails_the_run_in_one_line_without_retries(shards_2x2, ray_cluster, reference, tmp_path):
     shards, out = tmp_path / "shards", tmp_path / "run"
     shutil.copytree(shards_2x2, shards)
     shutil.copytree(reference, out)
@@ -238,7 +238,7 @@ def test_a_phase_that_raises_fails_the_run_in_one_line_without_retries(shards_2x
     broken = sorted(shards.glob("paths/*/train.bin"))[1]
     broken.unlink()
     broken.mkdir()  # unreadable for anyone, root included
-    proc = start(command(shards, out, address=cluster.address, resume=True))
+    proc = start(command(shards, out, address=ray_cluster.address, resume=True))
     _, err = proc.communicate(timeout=300)
     lines = [x for x in err.splitlines() if x.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "IsADirectoryError" in lines[0], err[-2000:]
@@ -248,11 +248,11 @@ def test_a_phase_that_raises_fails_the_run_in_one_line_without_retries(shards_2x
     assert max(tries) == 1, tries  # not retried
 
 
-def test_a_worker_killed_five_times_in_one_phase_does_not_abort(shards_2x2, cluster, reference, tmp_path):
+def test_a_worker_killed_five_times_in_one_phase_does_not_abort(shards_2x2, ray_cluster, reference, tmp_path):
     from dipaco.storage import Storage
 
     out = tmp_path / "run"
-    proc = start(command(shards_2x2, out, address=cluster.address), env={"DIPACO_TEST_DELAY": "2:1:60:5"})
+    proc = start(command(shards_2x2, out, address=ray_cluster.address), env={"DIPACO_TEST_DELAY": "2:1:60:5"})
     for k in range(1, 6):
         a = wait_for(lambda: len(x := attempts(Storage(str(out)), 1, "trainee_2")) >= k and x[k - 1],
                      f"attempt {k} of phase (2, 1)")
