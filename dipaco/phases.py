@@ -31,6 +31,7 @@ import torch
 
 from dipaco.comm import flatten, reduce_arrived, unflatten
 from dipaco.config import TrainConfig
+from dipaco.devices import deterministic
 from dipaco.grid import Grid
 from dipaco.model import llama_config, new_model
 from dipaco.outer import OuterOptimizer, outer_gradient, sqrt_rescale
@@ -59,6 +60,7 @@ class PhaseSpec:
     exact_state: bool           # False: the state from before a dropped phase (its step moves to this round's)
     validate: bool              # this trainee validates its path at ``version`` (and no one has yet)
     val_sources: list[str]      # the shard paths of the path's validation windows (all its trainees' shards)
+    device: str = "cpu"         # where its inner steps run (``dipaco.devices.phase_device``); outer state stays fp32
 
 
 @dataclass
@@ -86,12 +88,16 @@ def _shards(location: str) -> ShardSet:
     return _cache[location]
 
 
-def _model(cfg: TrainConfig, shards: ShardSet):
+def _model(cfg: TrainConfig, shards: ShardSet, device: torch.device):
     config = llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)
-    key = ("model", config.to_json_string())
+    key = ("model", config.to_json_string(), str(device))
     if key not in _cache:
-        _cache[key] = new_model(config)
+        _cache[key] = new_model(config).to(device)
     return _cache[key]
+
+
+def _on(device: torch.device, modules: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    return {m: {n: t.to(device) for n, t in ts.items()} for m, ts in modules.items()}
 
 
 def where() -> dict:
@@ -102,14 +108,16 @@ def run_phase(spec: PhaseSpec, node: str = "") -> dict:
     """Phase (trainee, version); returns its record (also committed as phase.json)."""
     began = time.perf_counter()
     torch.set_num_threads(spec.cfg.trainee_threads)
+    device = torch.device(spec.device)
+    deterministic(device)  # a retry on another GPU writes the same bytes
     store, cfg, v, i = TaskStore(spec.run, spec.lineage), spec.cfg, spec.version, spec.trainee
     attempt = store.record_attempt(v, i, where() | {"node": node})
     if attempt > 1:  # its worker or node was lost: back off (a preempted machine's replacement may need a moment)
         time.sleep(retry_backoff(attempt))
     shards = _shards(spec.shards)
-    tr = make_trainee(i, spec.path, spec.sources, spec.grid, shards, cfg, model=_model(cfg, shards))
-    modules = {m: store.load_tensors(r) for m, r in spec.modules.items()}
-    state = store.load_state(spec.state)
+    tr = make_trainee(i, spec.path, spec.sources, spec.grid, shards, cfg, model=_model(cfg, shards, device))
+    modules = _on(device, {m: store.load_tensors(r) for m, r in spec.modules.items()})
+    state = store.load_state(spec.state)  # AdamW's load_state_dict moves its moments to the parameters' device
     if not spec.exact_state:
         state["step"] = v * cfg.inner_steps
     tr.load_state(state)
@@ -139,7 +147,7 @@ def run_phase(spec: PhaseSpec, node: str = "") -> dict:
     deltas = {}
     for m, g in glob.items():
         flat = flatten(outer_gradient(g, tr.model.module_tensors(m)))
-        deltas[m] = flat if bits == 32 else quantize(flat, bits, block)
+        deltas[m] = (flat if bits == 32 else quantize(flat, bits, block)).cpu()
     sent = sum(t.numel() * t.element_size() for t in deltas.values())
     objects = {"deltas.safetensors": store.put(base, attempt_id, "deltas.safetensors", tensors_bytes(deltas)),
                "state.pt": store.put(base, attempt_id, "state.pt", state_bytes(tr.state()))}
@@ -199,13 +207,15 @@ def outer_step(spec: StepSpec, node: str = "") -> dict:
 
 
 def validate_path(run: str, lineage: str, shards_dir: str, cfg: TrainConfig, grid: Grid, path: str, sources: list[str],
-                  version: int, modules: dict[str, dict]) -> float | None:
+                  version: int, modules: dict[str, dict], device: str = "cpu") -> float | None:
     """The validation loss of ``path`` at ``version`` (written to the queue) for a round no phase validated;
     ``modules``: module -> its version ``version`` (a ref)."""
     torch.set_num_threads(cfg.trainee_threads)
+    on = torch.device(device)
+    deterministic(on)
     shards, store = _shards(shards_dir), TaskStore(run, lineage)
-    tr = make_trainee(0, path, sources, grid, shards, cfg, model=_model(cfg, shards))
-    loaded = {m: store.load_tensors(r) for m, r in modules.items()}
+    tr = make_trainee(0, path, sources, grid, shards, cfg, model=_model(cfg, shards, on))
+    loaded = _on(on, {m: store.load_tensors(r) for m, r in modules.items()})
     return _val_loss(store, shards, cfg, path, sources, version, loaded, tr.model)
 
 

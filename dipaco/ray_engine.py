@@ -47,6 +47,7 @@ from dipaco.phases import PhaseSpec, StepSpec, outer_step, run_phase, validate_p
 from dipaco.run import Plan, RunDirectory, build_grid, check_dense_source, init_from_dense
 from dipaco.runstore import assemble, choose_lineage, driver_mirror, local_shards, pull_run, push
 from dipaco.shards import ShardSet
+from dipaco.devices import phase_device, phase_resources
 from dipaco.storage import Storage
 from dipaco.taskstore import Damaged, TaskStore, groups, ref
 from dipaco.trainee import make_trainee
@@ -98,6 +99,8 @@ def train_ray(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, res
         signal.signal(signal.SIGTERM, _interrupt)  # after Ray's own handler (a native stack dump): one dipaco line
         try:
             cpus = int(ray.cluster_resources().get("CPU", 0))
+            # where phases train: --device cuda on a cluster without a GPU stops here, in one line
+            device = phase_device(cfg.device, ray.cluster_resources().get("GPU", 0), cfg.ray.gpus_per_phase)
             if start == 0:
                 begin_run(cfg, shards, grid, plan, directory, storage, cpus)
             else:
@@ -107,12 +110,12 @@ def train_ray(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, res
             store = TaskStore(location, lineage)
             store.forget_before(start)
             queue = TaskQueue(cfg, shards_dir, shards, grid, plan, store, local, start, directory.schedule_steps(),
-                              progress)
+                              progress, device)
             stats = queue.run()
         finally:
             ray.shutdown()
     return {"run": location, "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(plan.trainees),
-            "workers": cpus, "engine": "ray", **stats}
+            "workers": cpus, "engine": "ray", "device": device, **stats}
 
 
 def _interrupt(signum, frame):
@@ -155,8 +158,12 @@ class TaskQueue:
     """The driver's view of the queue: what is committed, dropped and in flight; what is ready to launch."""
 
     def __init__(self, cfg: TrainConfig, shards_location, shards: ShardSet, grid, plan: Plan, store: TaskStore, local: Path,
-                 start: int, schedule_steps: int, progress: bool):
+                 start: int, schedule_steps: int, progress: bool, device: str = "cpu"):
         self.cfg, self.shards, self.grid, self.plan, self.store = cfg, shards, grid, plan, store
+        # a phase's (and a validation's) request: its threads as CPUs, its GPU share on cuda; lost workers retried
+        self.device = device
+        self.task_options = {"max_retries": cfg.ray.max_retries,
+                             **phase_resources(device, cfg.trainee_threads, cfg.ray.gpus_per_phase)}
         self.shards_location, self.local = str(shards_location), local  # local: the driver's view of the run
         self.start, self.R, self.H, self.schedule = start, cfg.rounds, cfg.inner_steps, schedule_steps
         self.T = len(plan.trainees)
@@ -238,9 +245,9 @@ class TaskQueue:
             if (needed and (p, v) not in self.vals and ("val", p, v) not in busy and (p, v) not in self.validated
                     and all(self.has_version(g, v) for g in self.trainee_groups[i])):
                 files = {m: self.module_ref(m, v) for m in self.grid.path_modules(p)}
-                task = _validate.options(max_retries=self.cfg.ray.max_retries).remote(
+                task = _validate.options(**self.task_options).remote(
                     self.store.run, self.store.lineage, self.shards_location, self.cfg, self.grid, p, self.val_sources[p],
-                    v, files)
+                    v, files, self.device)
                 self.inflight[task] = ("val", p, v)
 
     # ----------------------------------------------------------------------------------------------- what tasks read
@@ -274,8 +281,8 @@ class TaskQueue:
         files = {m: self.module_ref(m, v) for m in self.grid.path_modules(path)}
         validate = v > self.start and self.validator.get(path) == i and (path, v) not in self.validated
         spec = PhaseSpec(self.store.run, self.store.lineage, self.shards_location, self.cfg, self.grid, i, path, sources, v,
-                         self.schedule, files, state, exact, validate, self.val_sources[path])
-        self.inflight[_phase.options(max_retries=self.cfg.ray.max_retries).remote(spec)] = ("phase", i, v)
+                         self.schedule, files, state, exact, validate, self.val_sources[path], self.device)
+        self.inflight[_phase.options(**self.task_options).remote(spec)] = ("phase", i, v)
 
     def launch_step(self, g: str, v: int) -> None:
         contributors = [i for i in self.members[g] if (i, v) in self.done]

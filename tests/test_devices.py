@@ -66,3 +66,21 @@ def test_gpu_check_says_it_skipped_without_a_gpu(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith("gpu_check: skipped: no CUDA device") and len(out.stdout.splitlines()) == 1
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "o").exists()  # nothing measured, nothing written
+
+
+@pytest.mark.slow
+def test_ray_phases_on_cuda_without_a_gpu_in_the_cluster_are_refused_in_one_line(shards_2x2, ray_cluster, tmp_path):
+    """The phases' device is decided on the cluster, not on the driver: this CPU cluster has no GPU, so
+    --device cuda stops before any phase, with one line, and writes no run."""
+    from conftest import TINY_TRAIN
+
+    out = tmp_path / "run"
+    sets = [a for kv in TINY_TRAIN for a in ("--set", kv)]
+    done = subprocess.run([sys.executable, "-m", "dipaco.cli", "train", "--shards", str(shards_2x2), "--out", str(out),
+                           "--rounds", "1", "--inner-steps", "2", "--engine", "ray", "--address", ray_cluster.address,
+                           "--device", "cuda", "--quiet", *sets], capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0
+    # (the test cluster runs without token authentication: the driver warns about that once, on its own line)
+    lines = [line for line in done.stderr.splitlines() if line.strip() and "warning:" not in line]
+    assert len(lines) == 1 and "the Ray cluster has no GPU" in lines[0] and "--device cpu" in lines[0], done.stderr
+    assert not (out / "checkpoints").exists()
