@@ -88,13 +88,16 @@ def assert_same_state(a: Path, b: Path, rounds: int = ROUNDS) -> None:
     assert len(trainees) == 4 and trainees == sorted(p.name for p in (rb / "state").glob("trainee_*.pt"))
     for name in trainees:
         sa, sb = (torch.load(r / "state" / name, weights_only=True) for r in (ra, rb))
-        assert sa["step"] == sb["step"] == rounds * H and sa["sampler"] == sb["sampler"], name
-        assert_equal_tree(sa["optimizer"], sb["optimizer"], name)
+        assert sa["step"] == sb["step"] == rounds * H, name
+        assert_equal_tree(sa["sampler"], sb["sampler"], f"{name} sampler")
+        assert_equal_tree(sa["optimizer"], sb["optimizer"], f"{name} optimizer")
 
 
 def assert_equal_tree(a, b, where: str) -> None:
     if isinstance(a, torch.Tensor):
         assert torch.equal(a, b), where
+    elif type(a).__module__ == "numpy":
+        assert type(a) is type(b) and (a == b).all(), where
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), where
         for k in a:
