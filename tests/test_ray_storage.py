@@ -163,7 +163,7 @@ def test_two_attempts_of_a_phase_finish_and_only_the_first_commit_is_read(shards
     lost and its retry would: the second commit is refused, the loser's objects are then damaged on purpose, and the
     Ray engine resumes the run through that queue to the in-process run's bits."""
     from dipaco.phases import PhaseSpec, run_phase
-    from dipaco.ray_engine import config_digest
+    from dipaco.runstore import config_digest
     from dipaco.run import Plan, build_grid
     from dipaco.shards import ShardSet
     from dipaco.storage import Storage
@@ -210,13 +210,14 @@ def test_the_whole_cluster_killed_and_restarted_under_keep_going(shards_2x2, ref
 
     def new_cluster():
         c = Cluster(initialize_head=True, connect=False,
-                    head_node_args={"num_cpus": 1, "include_dashboard": False, "port": port})
+                    head_node_args={"num_cpus": 1, "include_dashboard": False, "gcs_server_port": port})
         c.add_node(num_cpus=1)
         c.wait_for_nodes()
         return c
 
     c = new_cluster()
-    proc = start(command(shards_2x2, out, "--keep-going", address=f"127.0.0.1:{port}"),
+    assert c.address.endswith(f":{port}")
+    proc = start(command(shards_2x2, out, "--keep-going", address=c.address),
                  env={"DIPACO_TEST_DELAY": "0:1:30,1:1:30,2:1:30,3:1:30"})
     try:
         wait_for(lambda: (out / "checkpoints" / "round_1").is_dir() and list(out.glob("queue/*/attempts/1/trainee_*")),
@@ -316,7 +317,7 @@ def test_left_over_and_damaged_queues_never_give_other_weights(shards_2x2, ray_c
     Either way the Ray engine resumes to the in-process run's bits: the stale queue is not read, damage is redone."""
     from safetensors.torch import save
 
-    from dipaco.ray_engine import config_digest
+    from dipaco.runstore import config_digest
     from dipaco.storage import Storage, sha256
     from dipaco.taskstore import TaskStore
 
