@@ -280,10 +280,10 @@ def sweep(m: Model, workers: list[int], rates: list[float], seeds: int) -> list[
 
 def print_table(rows: list[dict]) -> None:
     print("| workers | preemptions / worker-hour | engine | wall-clock h | utilisation | wasted worker-h | preemptions |"
-          " storage GB / phase | finished |")
+          " storage MB / phase | finished |")
     print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        storage = "checkpoints only" if r["engine"] == "synchronous" else f"{r['storage_bytes_per_phase'] / 1e9:.2f}"
+        storage = "checkpoints only" if r["engine"] == "synchronous" else f"{r['storage_bytes_per_phase'] / 1e6:,.4g}"
         wall = (f"{r['wall_s'] / 3600:.2f} ± {r['wall_s_sd'] / 3600:.2f}" if r["finished"] == r["seeds"] else
                 f"> {r['wall_s'] / 3600:.0f} (stopped)" if not r["finished"] else f"{r['wall_s'] / 3600:.0f}, some stopped")
         print(f"| {r['workers']} | {r['rate_per_worker_hour']:g} | {r['engine']} | {wall} | {r['utilisation']:.1%} ± "

@@ -166,7 +166,8 @@ def _without_workers(argv: list[str]) -> list[str]:
 
 
 def cmd_eval(args) -> None:
-    from dipaco.eval.perplexity import evaluate, once_notice
+    from dipaco.eval.once_policy import once_notice
+    from dipaco.eval.perplexity import evaluate
     from dipaco.eval.report import beside, markdown_table, write_report
 
     cfg = _resolve(args, CC.EvalCommandConfig)
@@ -193,7 +194,7 @@ def cmd_eval(args) -> None:
 def cmd_generate(args) -> None:
     from dipaco.eval.api import load
     from dipaco.eval.generate import generate
-    from dipaco.eval.perplexity import once_notice
+    from dipaco.eval.once_policy import once_notice
 
     cfg = _resolve(args, CC.GenerateConfig)
     # every prompt given, in this order: the positional words (one prompt), each --prompt, each line of --prompts-file
@@ -270,7 +271,7 @@ def cmd_fit_window_router(args) -> None:
 
 
 def cmd_choose_routing(args) -> None:
-    from dipaco.eval.perplexity import save_once_policy
+    from dipaco.eval.once_policy import save_once_policy
 
     check_writable(Path(args.run) / "routing", "--run")
     policy = save_once_policy(args.run, args.shards, args.round, args.overwrite, progress=not args.quiet)

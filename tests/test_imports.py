@@ -3,7 +3,7 @@
 The rule is DESIGN.md's: `cli.py` and `quickstart.py` sit on top and call every stage; `sharding` and `eval`
 use `routing` and the core; `routing` uses the core; the core (everything in `dipaco/` but cli and
 quickstart) never imports a stage. One more edge is established and kept: eval reads the tokenizer through
-`dipaco.sharding.tokenizer` (eval/perplexity.py, eval/window_router.py), so eval stands above sharding and
+`dipaco.sharding.tokenizer` (eval/documents.py, eval/window_router.py), so eval stands above sharding and
 sharding never imports eval. And comm.py is the only file that imports torch.distributed; ray_engine.py and ray_tasks.py the only
 ones that import ray.
 
