@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -92,6 +93,7 @@ def train_ray(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, res
     start = directory.check(resume)  # bad input is refused before any Ray process starts
     if cfg.init_from:
         check_dense_source(cfg.init_from, shards)
+    # tasks see the driver's object-store settings (an endpoint, credentials where the nodes have none of their own)
     env = {k: v for k, v in os.environ.items() if k.startswith(("DIPACO_TEST_", "AWS_", "DIPACO_CACHE"))}
     with Lease(location):
         connect(cfg.ray.address, workers, env)
@@ -111,6 +113,8 @@ def train_ray(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, res
             stats = queue.run()
         finally:
             ray.shutdown()
+            if storage.remote:  # the driver's local view of a run in a bucket
+                shutil.rmtree(local, ignore_errors=True)
     return {"run": location, "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(plan.trainees),
             "workers": cpus, "engine": "ray", **stats}
 
