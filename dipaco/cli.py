@@ -130,6 +130,10 @@ def cmd_train(args) -> None:
         # --out is a new or empty directory or a dipaco run (train decides about --resume), never an input
         check_out_dir(args.out, "run", inputs={"--shards": args.shards, "--init-from": cfg.init_from,
                                                "--config": args.config})
+    ours = {"lease.json", "queue", "config.toml", "run.json", "metrics.jsonl", "checkpoints"}  # a run's names
+    if remote and (found := sorted(set(Storage(args.out).list("")) - ours)) and not Storage(args.out).exists("run.json"):
+        raise DipacoError(f"--out {args.out} holds objects dipaco did not write ({', '.join(found[:3])}"
+                          f"{' ...' if len(found) > 3 else ''}); choose a new or empty prefix")
     if args.resume and not Storage(args.out).exists("run.json"):
         raise DipacoError(f"--resume: {args.out} holds no run (no run.json); drop --resume to start a new run there")
     if cfg.engine == "ray":

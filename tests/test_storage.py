@@ -106,3 +106,11 @@ def test_shards_from_a_url_are_copied_once_per_machine(tmp_path, monkeypatch):
     s.write("paths/0-0/train.bin", b"changed")  # a whole copy is not fetched again
     assert local_shards(url) == local and (local / "paths" / "0-0" / "train.bin").read_bytes() == b"\x01\x02"
     assert local_shards(str(tmp_path)) == tmp_path
+
+
+def test_a_bucket_prefix_holding_someone_elses_objects_is_refused(capsys):
+    url = f"memory://dipaco-out-{os.getpid()}-{time.time_ns()}/prefix"
+    Storage(url).write("notes.txt", b"mine")
+    rc = main(["train", "--shards", "none", "--out", url, "--engine", "ray"])
+    assert rc == 2 and "holds objects dipaco did not write (notes.txt)" in capsys.readouterr().err
+    assert Storage(url).read("notes.txt") == b"mine"
