@@ -13,6 +13,10 @@ from dipaco import config as C
 from dipaco.errors import DipacoError
 from dipaco.flags import HelpFormatter, add_flags, flags_of
 from dipaco.outputs import check_out_dir, check_out_file, check_writable, os_error_line
+from dipaco.ray_cluster import ClusterUnreachable
+from dipaco.runstore import local_shards, pull_run
+from dipaco.storage import Storage, is_url
+from dipaco.supervise import LOST
 
 
 def _config_args(p: argparse.ArgumentParser, cls, func, example: str) -> None:
@@ -118,10 +122,20 @@ def cmd_train(args) -> None:
     cfg = _resolve(args, C.TrainConfig)
     if args.workers is not None and args.workers < 1:  # 0 too: it is not "no workers", it is nonsense
         raise DipacoError(f"--workers must be >= 1, got {args.workers}")
-    if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 checks: it alone writes the run directory
+    remote = is_url(args.out)
+    if remote and cfg.engine != "ray":
+        raise DipacoError(f"--out {args.out}: a run in object storage is trained by the task queue; add --engine ray "
+                          f"(or train into a local --out)")
+    if os.environ.get("RANK", "0") == "0" and not remote:  # under torchrun rank 0 checks: it alone writes the run
         # --out is a new or empty directory or a dipaco run (train decides about --resume), never an input
         check_out_dir(args.out, "run", inputs={"--shards": args.shards, "--init-from": cfg.init_from,
                                                "--config": args.config})
+    ours = {"lease.json", "queue", "config.toml", "run.json", "metrics.jsonl", "checkpoints"}  # a run's names
+    if remote and (found := sorted(set(Storage(args.out).list("")) - ours)) and not Storage(args.out).exists("run.json"):
+        raise DipacoError(f"--out {args.out} holds objects dipaco did not write ({', '.join(found[:3])}"
+                          f"{' ...' if len(found) > 3 else ''}); choose a new or empty prefix")
+    if args.resume and not Storage(args.out).exists("run.json"):
+        raise DipacoError(f"--resume: {args.out} holds no run (no run.json); drop --resume to start a new run there")
     if cfg.engine == "ray":
         return _train_on_ray(cfg, args)
     if args.workers:
@@ -143,6 +157,22 @@ def _train_on_ray(cfg, args) -> None:
                           f"workers: drop one of the two")
     if os.environ.get("WORLD_SIZE", "1") != "1":
         raise DipacoError("--engine ray runs one driver, not one per torchrun rank; start it without torchrun")
+    if cfg.ray.address and not args.keep_going:  # before anything else: a wrong address costs one line, at once
+        from dipaco.ray_cluster import reachable, start_hint
+
+        if why := reachable(cfg.ray.address):
+            raise ClusterUnreachable(f"no Ray cluster answers at --address {cfg.ray.address} ({why}); "
+                                     f"{start_hint(cfg.ray.address)}")
+    if args.keep_going:
+        from dipaco.ray_cluster import split_address
+        from dipaco.supervise import supervise
+
+        if not cfg.ray.address:
+            raise DipacoError("--keep-going waits for a cluster at --address; without --address the local Ray lives and "
+                              "dies with this command: start a cluster (README: Ray clusters) and pass its --address")
+        split_address(cfg.ray.address)
+        return supervise([a for a in args.argv if a != "--keep-going"], cfg.ray.address,
+                         lambda: Storage(args.out).exists("run.json"))
     try:
         from dipaco.ray_engine import train_ray
     except ModuleNotFoundError as exc:
@@ -178,8 +208,8 @@ def cmd_eval(args) -> None:
     runs = {}
     for spec in args.run:
         name, _, path = spec.rpartition("=")
-        runs[name or path.rstrip("/").split("/")[-1]] = path
-    report = evaluate(runs, args.shards, cfg.round, progress=not args.quiet, baseline=cfg.baseline or None,
+        runs[name or path.rstrip("/").split("/")[-1]] = str(pull_run(path))  # a run in a bucket: its local copy
+    report = evaluate(runs, local_shards(args.shards), cfg.round, progress=not args.quiet, baseline=cfg.baseline or None,
                       route_every=cfg.route_every, oracle=cfg.oracle, random=cfg.random,
                       early_stopping=cfg.early_stopping, mixture=cfg.mixture or 0, temperature=cfg.temperature,
                       seed=cfg.seed, split=cfg.split)
@@ -204,7 +234,7 @@ def cmd_generate(args) -> None:
     if not prompts:
         raise DipacoError("no prompt given; pass a prompt as an argument, --prompt TEXT or --prompts-file FILE "
                           "(one prompt a line)")
-    rr = load(args.run, args.shards, progress=not args.quiet)
+    rr = load(pull_run(args.run), local_shards(args.shards), progress=not args.quiet)
     for n, prompt in enumerate(prompts):
         g = generate(rr, prompt, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                      seed=cfg.seed, round=cfg.round, mixture=cfg.mixture or 0, mixture_temperature=cfg.mixture_temperature,
@@ -289,8 +319,9 @@ def cmd_export(args) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
-    check_out_dir(args.out, "export", inputs={"--run": args.run, "--shards": args.shards}, overwrite=args.overwrite)
-    rr = load(args.run, args.shards)
+    run, shards = pull_run(args.run), local_shards(args.shards)  # from a bucket: local copies
+    check_out_dir(args.out, "export", inputs={"--run": str(run), "--shards": str(shards)}, overwrite=args.overwrite)
+    rr = load(run, shards)
     out = rr.export(rr.check_path(args.path), args.out, args.round, args.overwrite)
     loaded, total = rr.bytes_of([args.path], args.round)
     print(f"exported path {args.path} of {args.run} to {out} ({loaded / 1e6:.2f} MB of {total / 1e6:.2f} MB of modules); "
@@ -339,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "with --engine ray: the CPUs of the local Ray it starts (default: one per core)")
     p.add_argument("--max-restarts", type=int, default=0, help="with --workers: torchrun restarts after a crash "
                    "(each restart resumes from the last complete round)")
+    p.add_argument("--keep-going", action="store_true", help="with --engine ray --address: survive the loss of the "
+                   "cluster (wait for it, then resume from what storage holds); ends when the run is done or on an "
+                   "error that is not a loss of machines")
     _config_args(p, C.TrainConfig, cmd_train, example="inner.lr=1e-3")
 
     p = sub.add_parser("eval", help="routed perplexity on the held-out documents")
@@ -410,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         rc = args.func(args)
+    except ClusterUnreachable as exc:  # under --keep-going the supervisor waits for the cluster (it said so)
+        if os.environ.get("DIPACO_SUPERVISED"):
+            return LOST
+        print(f"dipaco {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except DipacoError as exc:
         print(f"dipaco {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -8,11 +8,12 @@ retried (it would raise again) and reaches the driver as itself.
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import ray
 from ray.exceptions import RayTaskError
+
+from dipaco.ray_cluster import connect
 
 
 def _call(fn, *args):
@@ -22,13 +23,8 @@ def _call(fn, *args):
 class RayTasks:
     def __init__(self, address: str, cpus: int, max_retries: int, env: dict[str, str]):
         self.started = not ray.is_initialized()
-        if self.started:
-            runtime_env = {"env_vars": env}
-            if address:
-                ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False, runtime_env=runtime_env)
-            else:  # a local Ray of this machine only: loopback, no dashboard
-                ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
-                         object_store_memory=256 << 20, runtime_env=runtime_env, _node_ip_address="127.0.0.1")
+        if self.started:  # a local Ray kept to 127.0.0.1 without a dashboard, or the cluster at address (one place)
+            connect(address, cpus, env)
         self.cpus = int(ray.cluster_resources().get("CPU", cpus))
         self.remote = ray.remote(num_cpus=1, max_retries=max_retries, retry_exceptions=False)(_call)
 

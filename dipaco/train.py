@@ -50,6 +50,7 @@ def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume:
     device = resolve_device(cfg.device)
     deterministic(device)  # same bits as the Ray engine's phases on the same GPU (and as a rerun)
     resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted us
+    torch.set_num_threads(cfg.trainee_threads)  # threads per trainee: every engine pins the same count (the same bits)
     with closing(make_world(cfg, str(device))) as world:
         torch.manual_seed(cfg.seed)
         plan = Plan.make(cfg, grid, shards, world.size)
