@@ -164,7 +164,7 @@ class Corpus:
             print(f"[{self.name}] shard {key} -> {d}", flush=True)
             tokenizer = None if key == "2x2" else str(self.shard_dirs["2x2"] / "tokenizer")  # one tokenizer everywhere
             shard(inputs, resolve(ShardConfig, overrides=sets + self.shard_settings()), d, tokenizer, progress=True)
-        texts = {k: (self.shard_dirs[k] / "heldout" / "docs.jsonl").read_text() for k in plan}
+        texts = {k: [json.loads(line)["text"] for line in (self.shard_dirs[k] / "heldout" / "docs.jsonl").open()] for k in plan}
         if any(texts[k] != texts["2x2"] for k in plan):
             raise SystemExit(f"reproduce: the shard directories of {self.name} hold different held-out documents; "
                              f"delete them and re-run")

@@ -173,10 +173,23 @@ def unit_child(spec: dict) -> None:
         argv = list(spec["command"])
         if run is not None and (run / "checkpoints").is_dir() and "--resume" not in argv:
             argv.append("--resume")
-        subprocess.run(argv, check=True, cwd=ROOT)
+        if argv[1:3] == ["-m", "dipaco.cli"]:  # in this process: the imports cost more than a tiny training
+            from dipaco.cli import main
+
+            rc = main(argv[3:])
+            if rc:
+                raise SystemExit(f"reproduce: {' '.join(argv[3:5])} exited {rc}")
+        else:
+            subprocess.run(argv, check=True, cwd=ROOT)
     results = Path(spec["results"])
-    if not spec["durable"] or store.load(results, spec["corpus"], spec["job"], spec["fingerprint"]) is not None:
-        return  # an artifact only, or re-trained for a job that needs its run directory
+    kept = store.load(results, spec["corpus"], spec["job"], spec["fingerprint"]) if spec["durable"] else None
+    if kept is not None:  # re-trained for a job that needs its run directory: the same weights as when it was measured?
+        if kept.get("weights_sha256") and kept["weights_sha256"] != weights_sha256(run):
+            print(f"reproduce: WARNING: {run} re-trained to other weights than its durable result was measured on "
+                  f"(another machine or library version?); results that depend on it mix the two", file=sys.stderr)
+        return
+    if not spec["durable"]:
+        return  # an artifact only
     evals, window = {}, {}
     for step in spec.get("steps", []):
         if step["op"] == "window_router":
@@ -186,8 +199,24 @@ def unit_child(spec: dict) -> None:
     data = {"fingerprint": spec["fingerprint"], "job": spec["job"], "corpus": spec["corpus"], "protocol": store.PROTOCOL,
             "record": spec.get("record", {}), "command": _relative(spec.get("command"), spec.get("out")),
             "rounds": _round_rows(run), "run_info": _run_info(run), "evals": evals, "window_router": window,
+            "weights_sha256": weights_sha256(run),
             "seconds": round(time.perf_counter() - began, 1)}
     store.save(results, spec["corpus"], spec["job"], data)
+
+
+def weights_sha256(run: Path | None) -> str | None:
+    """One hash of the latest checkpoint's module files (training is deterministic: a re-trained run matches)."""
+    import hashlib
+
+    r = rounds_done(run) if run is not None else 0
+    files = sorted((run / "checkpoints" / f"round_{r}" / "modules").glob("*.safetensors")) if r else []
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _complete(run: Path | None, rounds: int) -> bool:
