@@ -44,7 +44,7 @@ import math
 import random
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -69,6 +69,8 @@ class Model:
     replace_s: float = 120.0         # a preempted worker's replacement joins after this
     checkpoint_every: int = 1        # rounds between the synchronous job's checkpoints
     horizon_h: float = 2000.0        # a run still unfinished then is stopped and reported as such
+    sticky: bool = False             # a phase prefers the worker that trained its trainee last (a soft affinity)
+    #                                  and reads the state from that worker's cache; storage keeps the durable copy
 
     @property
     def paths(self) -> int:
@@ -104,7 +106,8 @@ def simulate_queue(m: Model, workers: int, rate_per_hour: float, seed: int, log:
     rng = random.Random(seed)
     users = module_paths(m)
     load = m.transfer_s(m.module_bytes + m.state_bytes)
-    save = m.transfer_s(m.payload_bytes + m.state_bytes)
+    load_cached = m.transfer_s(m.module_bytes)  # sticky: the state is on the worker already
+    save = m.transfer_s(m.payload_bytes + m.state_bytes)  # the durable copy is written either way
     # an executor reads its module's share of every path's payload, reads the module and writes its new version
     step_s = {mod: m.transfer_s(module_fraction(m, mod) * (len(ps) * m.payload_bytes + 2 * m.module_bytes))
               for mod, ps in users.items()}
@@ -124,6 +127,8 @@ def simulate_queue(m: Model, workers: int, rate_per_hour: float, seed: int, log:
     idle: list[int] = []
     epoch = [0] * workers           # a preempted worker's pending events are stale
     running: dict[int, tuple] = {}  # worker -> (path, round, start, compute)
+    cached: dict[int, tuple[int, int]] = {}  # path -> (worker, its epoch) holding the trainee's state
+    storage_bytes = 0.0
     for w in range(workers):
         push(m.startup_s, "join", w, 0)
     useful = wasted = 0.0
@@ -174,15 +179,26 @@ def simulate_queue(m: Model, workers: int, rate_per_hour: float, seed: int, log:
                 if v < m.rounds and done_at[p] == v and all(version[x] >= v for x in phase_modules(m, p)):
                     heapq.heappush(ready, (v, p))
         while idle and ready:
-            w = idle.pop(0)
-            r, p = heapq.heappop(ready)
+            # sticky: a ready phase whose trainee's state sits on an idle worker goes there (lowest round first);
+            # the rest, like every phase without it, to the first idle worker (the affinity is soft)
+            home = [x for x in sorted(ready) if m.sticky and cached.get(x[1], (-1, 0))[0] in idle
+                    and cached[x[1]][1] == epoch[cached[x[1]][0]]]
+            r, p = home[0] if home else ready[0]
+            ready.remove((r, p))
+            heapq.heapify(ready)
+            hit = bool(home)
+            w = cached[p][0] if hit else idle[0]
+            idle.remove(w)
             compute = m.phase_compute_s * rng.lognormvariate(0.0, m.jitter)
             running[w] = (p, r, now, compute)
+            cached[p] = (w, epoch[w])
+            storage_bytes += m.module_bytes + m.payload_bytes + m.state_bytes + (0 if hit else m.state_bytes)
             if log is not None:
                 log.append((now, "phase_start", p, r, tuple(version[x] for x in phase_modules(m, p))))
-            push(now + load + compute + save, "phase_done", w, epoch[w])
+            push(now + (load_cached if hit else load) + compute + save, "phase_done", w, epoch[w])
     return {"wall_s": now, "utilisation": m.paths * m.rounds * m.phase_compute_s / (workers * now), "finished": True,
-            "rounds_kept": m.rounds, "useful_s": useful, "wasted_s": wasted, "preemptions": preemptions}
+            "rounds_kept": m.rounds, "useful_s": useful, "wasted_s": wasted, "preemptions": preemptions,
+            "storage_bytes_per_phase": storage_bytes / max(1, sum(done_at.values()))}
 
 
 # ------------------------------------------------------------------------------------------------- synchronous job
@@ -238,17 +254,24 @@ def measured_model(path: Path | None = None) -> tuple[Model, str]:
     raise SystemExit("bench/elastic.py: no measured inputs; run python bench/ray_engine.py first, or use --scale paper")
 
 
+def _sticky(m: Model, workers: int, rate: float, seed: int) -> dict:
+    return simulate_queue(replace(m, sticky=True), workers, rate, seed)
+
+
+ENGINES = (("task queue", simulate_queue), ("task queue, sticky", _sticky), ("synchronous", simulate_sync))
+
+
 def sweep(m: Model, workers: list[int], rates: list[float], seeds: int) -> list[dict]:
     rows = []
     for w in workers:
         for lam in rates:
-            for engine, sim in (("task queue", simulate_queue), ("synchronous", simulate_sync)):
+            for engine, sim in ENGINES:
                 runs = [sim(m, w, lam, s) for s in range(seeds)]
                 row = {"engine": engine, "workers": w, "rate_per_worker_hour": lam}
                 row["finished"] = sum(r["finished"] for r in runs)
                 row["seeds"] = len(runs)
-                for k in ("wall_s", "utilisation", "wasted_s", "preemptions", "rounds_kept"):
-                    vals = [r[k] for r in runs]
+                for k in ("wall_s", "utilisation", "wasted_s", "preemptions", "rounds_kept", "storage_bytes_per_phase"):
+                    vals = [r.get(k, 0.0) for r in runs]
                     row[k] = statistics.fmean(vals)
                     row[k + "_sd"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
                 rows.append(row)
@@ -257,14 +280,15 @@ def sweep(m: Model, workers: list[int], rates: list[float], seeds: int) -> list[
 
 def print_table(rows: list[dict]) -> None:
     print("| workers | preemptions / worker-hour | engine | wall-clock h | utilisation | wasted worker-h | preemptions |"
-          " finished |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+          " storage MB / phase | finished |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
+        storage = "checkpoints only" if r["engine"] == "synchronous" else f"{r['storage_bytes_per_phase'] / 1e6:,.4g}"
         wall = (f"{r['wall_s'] / 3600:.2f} ± {r['wall_s_sd'] / 3600:.2f}" if r["finished"] == r["seeds"] else
                 f"> {r['wall_s'] / 3600:.0f} (stopped)" if not r["finished"] else f"{r['wall_s'] / 3600:.0f}, some stopped")
         print(f"| {r['workers']} | {r['rate_per_worker_hour']:g} | {r['engine']} | {wall} | {r['utilisation']:.1%} ± "
               f"{r['utilisation_sd']:.1%} | {r['wasted_s'] / 3600:.1f} | {r['preemptions']:.1f} | "
-              f"{r['finished']}/{r['seeds']} |")
+              f"{storage} | {r['finished']}/{r['seeds']} |")
 
 
 def plot(rows: list[dict], title: str, out: Path) -> None:
@@ -275,7 +299,7 @@ def plot(rows: list[dict], title: str, out: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for w in sorted({r["workers"] for r in rows}):
-        for engine, style in (("task queue", "-o"), ("synchronous", "--s")):
+        for engine, style in (("task queue", "-o"), ("task queue, sticky", ":^"), ("synchronous", "--s")):
             sel = [r for r in rows if r["workers"] == w and r["engine"] == engine]
             x = [r["rate_per_worker_hour"] for r in sel]
             a.plot(x, [r["utilisation"] for r in sel], style, label=f"{engine}, {w} workers")

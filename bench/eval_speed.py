@@ -22,7 +22,7 @@ import torch
 
 
 def main(argv=None) -> int:
-    from dipaco.eval.perplexity import heldout_tokens
+    from dipaco.eval.documents import heldout_tokens
     from dipaco.run import Run
     from dipaco.scoring import window_nll, windows_for
     from dipaco.shards import BatchSampler, ShardSet

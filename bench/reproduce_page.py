@@ -149,8 +149,9 @@ def page(results: dict, s: Scale, pictures: dict[str, dict[str, str]], command: 
 
 def readme_lines(results: dict) -> str:
     """The README's results lines: one per corpus, with the headline and the checks, linking the page."""
-    out = ["**Results** ([docs/RESULTS.md](docs/RESULTS.md), written by `python bench/reproduce.py --page docs/RESULTS.md` "
-           "from the durable job results in docs/results/jobs/):", ""]
+    out = ["[docs/RESULTS.md](docs/RESULTS.md) runs the papers' comparison at CPU scale; these lines and the page are "
+           "written by `python bench/reproduce.py --page docs/RESULTS.md` from the durable job results in "
+           "docs/results/jobs/:", ""]
     for name, res in results["corpora"].items():
         checked = [e for e in res["expectations"] if e["held"] is not None]
         head = (res.get("headline") or {}).get("run")

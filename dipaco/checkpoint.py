@@ -117,13 +117,17 @@ def list_rounds(run: str | Path) -> list[int]:
 
 
 def latest_round(run: str | Path) -> int | None:
+    """The round ``latest`` names; without ``latest`` (removed, or lost before it was first written) the highest
+    complete round, so that resuming never starts over a run that has rounds."""
     pointer = Path(run) / "checkpoints" / "latest"
+    complete = [r for r in list_rounds(run) if (round_dir(run, r) / "state" / "meta.json").is_file()]
     if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
+        return max(complete) if complete else None
+    name = pointer.read_text(errors="replace").strip()
     if not name.startswith("round_") or not name[6:].isdigit() or not round_dir(run, int(name[6:])).is_dir():
-        raise DipacoError(f"{pointer} names {name!r}, which is not a complete checkpoint; "
-                          f"point it at an existing checkpoints/round_<r> or remove it")
+        fix = (f"write round_{max(complete)} (its highest complete round) into it to resume from there" if complete
+               else "no complete round is left: train into a new --out")
+        raise DipacoError(f"{pointer} names {name[:40]!r}, which is not a complete checkpoint; {fix}")
     return int(name[6:])
 
 

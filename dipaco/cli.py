@@ -11,22 +11,12 @@ from pathlib import Path
 from dipaco import command_config as CC
 from dipaco import config as C
 from dipaco.errors import DipacoError
-from dipaco.flags import HelpFormatter, add_flags, flags_of
+from dipaco.flags import Parser, add_flags, config_args, flags_of, set_arg
 from dipaco.outputs import check_out_dir, check_out_file, check_writable, os_error_line
-
-
-def _config_args(p: argparse.ArgumentParser, cls, func, example: str) -> None:
-    """The flags generated from ``cls``'s fields, then --config FILE and --set KEY=VALUE for every other key;
-    ``func`` runs the command."""
-    p.set_defaults(func=func)
-    add_flags(p, cls)
-    p.add_argument("--config", help="TOML file with config keys (defaults < preset < file < --set < flags)")
-    _set_arg(p, example)
-
-
-def _set_arg(p: argparse.ArgumentParser, example: str) -> None:
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help=f"override one config value, e.g. --set {example} (repeatable)")
+from dipaco.ray_cluster import ClusterUnreachable
+from dipaco.runstore import local_shards, pull_run
+from dipaco.storage import Storage, is_url
+from dipaco.supervise import LOST
 
 
 def _resolve(args, cls):
@@ -39,7 +29,8 @@ def cmd_shard(args) -> None:
     cfg = _resolve(args, C.ShardConfig)
     check_out_dir(args.out, "shards", inputs={"--data": args.data, "--tokenizer": args.tokenizer, "--config": args.config,
                                               "--feature-model": cfg.routing.feature_model}, overwrite=args.overwrite)
-    manifest = shard(args.data, cfg, args.out, args.tokenizer, args.overwrite, progress=not args.quiet)
+    manifest = shard(args.data, cfg, args.out, args.tokenizer, args.overwrite, progress=not args.quiet,
+                     engine=args.engine, address=args.address, resume=args.resume)
     print(f"wrote {args.out} in {manifest['seconds']:.1f} s: {manifest['train_documents']} training, "
           f"{manifest['heldout_documents']} held-out and {manifest['router_documents']} router documents on grid "
           f"{manifest['grid']}, vocabulary {manifest['vocab_size']}; dropped {manifest['dropped']}, "
@@ -117,10 +108,20 @@ def cmd_train(args) -> None:
     cfg = _resolve(args, C.TrainConfig)
     if args.workers is not None and args.workers < 1:  # 0 too: it is not "no workers", it is nonsense
         raise DipacoError(f"--workers must be >= 1, got {args.workers}")
-    if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 checks: it alone writes the run directory
+    remote = is_url(args.out)
+    if remote and cfg.engine != "ray":
+        raise DipacoError(f"--out {args.out}: a run in object storage is trained by the task queue; add --engine ray "
+                          f"(or train into a local --out)")
+    if os.environ.get("RANK", "0") == "0" and not remote:  # under torchrun rank 0 checks: it alone writes the run
         # --out is a new or empty directory or a dipaco run (train decides about --resume), never an input
         check_out_dir(args.out, "run", inputs={"--shards": args.shards, "--init-from": cfg.init_from,
                                                "--config": args.config})
+    ours = {"lease.json", "queue", "config.toml", "run.json", "metrics.jsonl", "checkpoints"}  # a run's names
+    if remote and (found := sorted(set(Storage(args.out).list("")) - ours)) and not Storage(args.out).exists("run.json"):
+        raise DipacoError(f"--out {args.out} holds objects dipaco did not write ({', '.join(found[:3])}"
+                          f"{' ...' if len(found) > 3 else ''}); choose a new or empty prefix")
+    if args.resume and not Storage(args.out).exists("run.json"):
+        raise DipacoError(f"--resume: {args.out} holds no run (no run.json); drop --resume to start a new run there")
     if cfg.engine == "ray":
         return _train_on_ray(cfg, args)
     if args.workers:
@@ -142,6 +143,22 @@ def _train_on_ray(cfg, args) -> None:
                           f"workers: drop one of the two")
     if os.environ.get("WORLD_SIZE", "1") != "1":
         raise DipacoError("--engine ray runs one driver, not one per torchrun rank; start it without torchrun")
+    if cfg.ray.address and not args.keep_going:  # before anything else: a wrong address costs one line, at once
+        from dipaco.ray_cluster import reachable, start_hint
+
+        if why := reachable(cfg.ray.address):
+            raise ClusterUnreachable(f"no Ray cluster answers at --address {cfg.ray.address} ({why}); "
+                                     f"{start_hint(cfg.ray.address)}")
+    if args.keep_going:
+        from dipaco.ray_cluster import split_address
+        from dipaco.supervise import supervise
+
+        if not cfg.ray.address:
+            raise DipacoError("--keep-going waits for a cluster at --address; without --address the local Ray lives and "
+                              "dies with this command: start a cluster (README: Ray clusters) and pass its --address")
+        split_address(cfg.ray.address)
+        return supervise([a for a in args.argv if a != "--keep-going"], cfg.ray.address,
+                         lambda: Storage(args.out).exists("run.json"))
     try:
         from dipaco.ray_engine import train_ray
     except ModuleNotFoundError as exc:
@@ -165,7 +182,8 @@ def _without_workers(argv: list[str]) -> list[str]:
 
 
 def cmd_eval(args) -> None:
-    from dipaco.eval.perplexity import evaluate, once_notice
+    from dipaco.eval.once_policy import once_notice
+    from dipaco.eval.perplexity import evaluate
     from dipaco.eval.report import beside, markdown_table, write_report
 
     cfg = _resolve(args, CC.EvalCommandConfig)
@@ -176,8 +194,8 @@ def cmd_eval(args) -> None:
     runs = {}
     for spec in args.run:
         name, _, path = spec.rpartition("=")
-        runs[name or path.rstrip("/").split("/")[-1]] = path
-    report = evaluate(runs, args.shards, cfg.round, progress=not args.quiet, baseline=cfg.baseline or None,
+        runs[name or path.rstrip("/").split("/")[-1]] = str(pull_run(path))  # a run in a bucket: its local copy
+    report = evaluate(runs, local_shards(args.shards), cfg.round, progress=not args.quiet, baseline=cfg.baseline or None,
                       route_every=cfg.route_every, oracle=cfg.oracle, random=cfg.random,
                       early_stopping=cfg.early_stopping, mixture=cfg.mixture or 0, temperature=cfg.temperature,
                       seed=cfg.seed, split=cfg.split)
@@ -192,7 +210,7 @@ def cmd_eval(args) -> None:
 def cmd_generate(args) -> None:
     from dipaco.eval.api import load
     from dipaco.eval.generate import generate
-    from dipaco.eval.perplexity import once_notice
+    from dipaco.eval.once_policy import once_notice
 
     cfg = _resolve(args, CC.GenerateConfig)
     # every prompt given, in this order: the positional words (one prompt), each --prompt, each line of --prompts-file
@@ -202,7 +220,7 @@ def cmd_generate(args) -> None:
     if not prompts:
         raise DipacoError("no prompt given; pass a prompt as an argument, --prompt TEXT or --prompts-file FILE "
                           "(one prompt a line)")
-    rr = load(args.run, args.shards, progress=not args.quiet)
+    rr = load(pull_run(args.run), local_shards(args.shards), progress=not args.quiet)
     for n, prompt in enumerate(prompts):
         g = generate(rr, prompt, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                      seed=cfg.seed, round=cfg.round, mixture=cfg.mixture or 0, mixture_temperature=cfg.mixture_temperature,
@@ -269,7 +287,7 @@ def cmd_fit_window_router(args) -> None:
 
 
 def cmd_choose_routing(args) -> None:
-    from dipaco.eval.perplexity import save_once_policy
+    from dipaco.eval.once_policy import save_once_policy
 
     check_writable(Path(args.run) / "routing", "--run")
     policy = save_once_policy(args.run, args.shards, args.round, args.overwrite, progress=not args.quiet)
@@ -287,8 +305,9 @@ def cmd_export(args) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
-    check_out_dir(args.out, "export", inputs={"--run": args.run, "--shards": args.shards}, overwrite=args.overwrite)
-    rr = load(args.run, args.shards)
+    run, shards = pull_run(args.run), local_shards(args.shards)  # from a bucket: local copies
+    check_out_dir(args.out, "export", inputs={"--run": str(run), "--shards": str(shards)}, overwrite=args.overwrite)
+    rr = load(run, shards)
     out = rr.export(rr.check_path(args.path), args.out, args.round, args.overwrite)
     loaded, total = rr.bytes_of([args.path], args.round)
     print(f"exported path {args.path} of {args.run} to {out} ({loaded / 1e6:.2f} MB of {total / 1e6:.2f} MB of modules); "
@@ -302,25 +321,32 @@ def cmd_quickstart(args) -> None:
     quickstart(args.out, **flags, overrides=args.overrides, progress=not args.quiet)
 
 
-class _Parser(argparse.ArgumentParser):
-    """Every dipaco parser: our help layout, and no abbreviated flags (argparse would take --prompt for --prompts-file,
-    and a later flag that shares a prefix would silently change what an old command line means)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, formatter_class=HelpFormatter, allow_abbrev=False, **kwargs)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dipaco", description="Train modular language models the DiPaCo way.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = Parser(prog="dipaco", description="Train modular language models the DiPaCo way.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    _add_pipeline_commands(sub)
+    _add_tool_commands(sub)
+    for p in sub.choices.values():
+        p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
 
+
+def _add_pipeline_commands(sub) -> None:
+    """The pipeline's commands: shard, train, eval, generate."""
     p = sub.add_parser("shard", help="route a corpus into per-path token shards")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE_OR_DIR",
-                   help="JSON lines (.jsonl/.jsonl.gz), parquet, CSV or text files or directories, or a hub dataset name")
+                   help="JSON lines (.jsonl/.jsonl.gz), parquet, CSV or text files or directories, s3:// or gs:// URLs "
+                        "(the s3 / gcs extras), a save_to_disk directory, or a hub dataset name")
     p.add_argument("--out", required=True, help="shard directory to create")
     p.add_argument("--tokenizer", help="use this Hugging Face tokenizer directory instead of training one")
     p.add_argument("--overwrite", action="store_true", help="replace --out once the new shards are complete")
-    _config_args(p, C.ShardConfig, cmd_shard, example="routing.svd_dims=32")
+    p.add_argument("--engine", choices=["local", "ray"], default="local",
+                   help="local: --num-proc processes of this machine (default); ray: Ray tasks, retried when a worker is lost")
+    p.add_argument("--address", default="", metavar="ADDR",
+                   help="with --engine ray: the cluster to join ('auto' or the head's host:port); default: a local Ray")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a killed run of the same command: reuse its committed blocks (beside --out, in .<out>.work)")
+    config_args(p, C.ShardConfig, cmd_shard, example="routing.svd_dims=32")
 
     p = sub.add_parser("train", help="train path workers with DiLoCo-style module averaging")
     p.add_argument("--shards", required=True, help="shard directory from `dipaco shard`")
@@ -330,13 +356,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "with --engine ray: the CPUs of the local Ray it starts (default: one per core)")
     p.add_argument("--max-restarts", type=int, default=0, help="with --workers: torchrun restarts after a crash "
                    "(each restart resumes from the last complete round)")
-    _config_args(p, C.TrainConfig, cmd_train, example="inner.lr=1e-3")
+    p.add_argument("--keep-going", action="store_true", help="with --engine ray --address: survive the loss of the "
+                   "cluster (wait for it, then resume from what storage holds); ends when the run is done or on an "
+                   "error that is not a loss of machines")
+    config_args(p, C.TrainConfig, cmd_train, example="inner.lr=1e-3")
 
     p = sub.add_parser("eval", help="routed perplexity on the held-out documents")
     p.add_argument("--run", action="append", required=True, metavar="[NAME=]RUN", help="run directory (repeatable)")
     p.add_argument("--shards", required=True, help="the shard directory the runs were trained on")
     p.add_argument("--out", required=True, help="report.json to write (report.md and PNG plots go beside it)")
-    _config_args(p, CC.EvalCommandConfig, cmd_eval, example="temperature=0.05")
+    config_args(p, CC.EvalCommandConfig, cmd_eval, example="temperature=0.05")
 
     p = sub.add_parser("generate", help="route a prompt and continue it with one path")
     p.add_argument("--run", required=True, help="run directory")
@@ -344,14 +373,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("words", nargs="*", metavar="PROMPT", help="prompt text, quoted (words without quotes form one prompt)")
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable: one prompt each)")
     p.add_argument("--prompts-file", help="text file, one prompt a line")
-    _config_args(p, CC.GenerateConfig, cmd_generate, example="top_p=0.9")
+    config_args(p, CC.GenerateConfig, cmd_generate, example="top_p=0.9")
 
+
+def _add_tool_commands(sub) -> None:
+    """The commands around the pipeline: routing choices, export, reshard, inspect, the quickstart."""
     p = sub.add_parser("fit-window-router", help="fit the router of every-W routing on the router documents")
     p.add_argument("--run", required=True, help="run directory (the router is saved in RUN/window_routers/w<W>)")
     p.add_argument("--shards", required=True, help="the shard directory the run was trained on")
     p.add_argument("--window", type=int, required=True, metavar="W", help="tokens per window, e.g. 64")
     p.add_argument("--overwrite", action="store_true", help="replace the run's window router for W")
-    _config_args(p, CC.WindowRouterConfig, cmd_fit_window_router, example="max_tokens=2048")
+    config_args(p, CC.WindowRouterConfig, cmd_fit_window_router, example="max_tokens=2048")
 
     p = sub.add_parser("choose-routing", help="choose how documents are routed once, on the router documents")
     p.add_argument("--run", required=True, help="run directory (the choice is saved in RUN/routing/once.json)")
@@ -374,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", required=True, help="the shard directory the run was trained on")
     p.add_argument("--out", required=True, help="new shard directory to create")
     p.add_argument("--overwrite", action="store_true", help="replace --out once the new shards are complete")
-    _config_args(p, CC.ReshardConfig, cmd_reshard, example="max_tokens=256")
+    config_args(p, CC.ReshardConfig, cmd_reshard, example="max_tokens=256")
 
     p = sub.add_parser("inspect", help="per-path summary of a shard directory (--png: and a plot of path sizes)")
     p.add_argument("shards", help="shard directory")
@@ -388,12 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="dipaco-quickstart",
                    help="output directory, new or empty (re-running continues in a quickstart directory)")
     add_flags(p, C.TrainConfig, only=("preset", "rounds", "inner_steps"), show_defaults=False)  # quickstart's own defaults
-    _set_arg(p, "inner.lr=1e-3")  # a key of `dipaco train`
+    set_arg(p, "inner.lr=1e-3")  # a key of `dipaco train`
     p.set_defaults(func=cmd_quickstart)
-
-    for p in sub.choices.values():
-        p.add_argument("--quiet", action="store_true", help="no progress bars")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,6 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         rc = args.func(args)
+    except ClusterUnreachable as exc:  # under --keep-going the supervisor waits for the cluster (it said so)
+        if os.environ.get("DIPACO_SUPERVISED"):
+            return LOST
+        print(f"dipaco {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except DipacoError as exc:
         print(f"dipaco {args.command}: error: {exc}", file=sys.stderr)
         return 2

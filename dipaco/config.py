@@ -50,12 +50,18 @@ class DataConfig:
     corpus's order (inputs in order, records in file order) is kept."""
     split: str = flag("train")
     """Split of a hub dataset given as input (local files are read whole)."""
+    block_bytes: int = 64 << 20
+    """The shard stage's unit of work: a JSON-lines file larger than this is cut into newline-aligned byte
+    ranges of about this size, parquet into runs of row groups, a saved dataset into row ranges. Any value
+    gives the same shard directory; smaller blocks spread a corpus over more workers."""
 
     def check(self, at: str) -> None:
         for key in ("heldout_fraction", "val_fraction", "router_fraction"):
             fraction(at + key, getattr(self, key))
         if self.heldout_fraction + self.router_fraction + self.val_fraction >= 1.0:
             raise DipacoError(f"config: {at}heldout_fraction + {at}router_fraction + {at}val_fraction must be < 1")
+        if self.block_bytes < 1:
+            raise DipacoError(f"config: '{at}block_bytes' must be >= 1, got {self.block_bytes}")
         for key in ("max_router_docs", "max_heldout_docs", "min_chars"):
             at_least(at + key, getattr(self, key), 0)
         if self.max_chars < max(1, self.min_chars):
@@ -150,7 +156,8 @@ class ShardConfig:
     seed: int = flag(0)
     """Seed for splits, samples and k-means (every split and sample is a keyed hash of the document under it)."""
     num_proc: int = flag(0)
-    """Threads for tokenization (the tokenizer's Rust pool) and torch features; 0 = all cores."""
+    """Worker processes of this machine, one block of the corpus each at a time (with --engine ray: CPUs of the
+    local Ray it starts); 0 = all cores. Any number gives the same shard directory."""
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -297,26 +304,38 @@ class RayConfig:
     address: str = flag("", metavar="ADDR")
     """Ray cluster to join with --engine ray: 'auto' (the one on this machine) or the head's host:port that `ray start
     --head` prints; '' starts a local Ray on this machine with --workers CPUs (default: one per core)."""
-    max_retries: int = 3
-    """Retries of a phase whose worker process or node was lost (a retry computes the same bytes)."""
+    max_retries: int = -1
+    """Retries of a phase whose worker process or node was lost (a retry computes the same bytes, after a backoff);
+    -1: without limit (preemption is not an error). An exception raised by the phase's own code is never retried."""
     quorum: int = flag(0)
     """If > 0, a module's outer step may go ahead with this many of its trainees (all, if it has fewer) once
     ``grace`` seconds have passed since it had them; the late phases are dropped: their results are discarded and
     their trainees restart from the new modules. 0 waits for every phase (exact, the default)."""
     grace: float = flag(0.0, metavar="SECONDS")
     """With a quorum: seconds a module waits for its late phases after the quorum is in."""
-    threads: int = 1
-    """torch threads of a phase, pinned so that a retry on another worker computes the same bytes."""
+    threads: int = 0
+    """Older name of the top-level 'threads' (kept so that older configs load): a value > 0 here is used when
+    'threads' is left at its default."""
     executors: int = 1
     """Outer-step executors (restartable Ray actors); the module groups are spread over them."""
+    sticky: bool = True
+    """A phase prefers the node that trained its trainee last (a soft affinity: another node when that one is gone)
+    and reads the trainee state from that node's local cache, checked against its commit record's checksum;
+    storage keeps the durable copy, so a lost node costs a download, never bits."""
+    gpus_per_phase: float = 1.0
+    """With --device cuda (or auto on a cluster with GPUs): the GPUs a phase asks Ray for; a fraction (0.5) packs
+    that many phases on one GPU."""
 
     def check(self, at: str) -> None:
-        for key in ("max_retries", "quorum"):
-            at_least(at + key, getattr(self, key), 0)
-        for key in ("threads", "executors"):
-            positive(at + key, getattr(self, key))
+        at_least(at + "max_retries", self.max_retries, -1)
+        at_least(at + "quorum", self.quorum, 0)
+        at_least(at + "threads", self.threads, 0)
+        positive(at + "executors", self.executors)
         if self.grace < 0:
             raise DipacoError(f"config: '{at}grace' must be >= 0 seconds, got {self.grace}")
+        if not 0 < self.gpus_per_phase <= 64:
+            raise DipacoError(f"config: '{at}gpus_per_phase' must be in (0, 64] (a fraction shares a GPU), "
+                              f"got {self.gpus_per_phase}")
 
 
 @dataclass
@@ -348,6 +367,9 @@ class TrainConfig:
     """Inner steps between training-loss lines in metrics.jsonl."""
     checkpoint_every: int = 1
     """Rounds between checkpoints (the last round is always saved; resume starts from the last one saved)."""
+    threads: int = flag(1)
+    """torch threads per trainee, honoured by every engine (in-process, torchrun, ray). The engines give the same bits
+    at the same thread count; a different count may change the last bits (another summation order in a kernel)."""
     device: Literal["auto", "cpu", "cuda"] = flag("auto")
     """Device: 'auto' (cuda when available), 'cpu' or 'cuda' (bf16 autocast, fp32 master weights and outer state)."""
     engine: Literal["sync", "ray"] = flag("sync")
@@ -366,9 +388,14 @@ class TrainConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    @property
+    def trainee_threads(self) -> int:
+        """``threads``, or an older config's ``ray.threads`` where ``threads`` is left at its default."""
+        return self.threads if self.threads != 1 or not self.ray.threads else self.ray.threads
+
     def check(self, at: str) -> None:
         """The top-level values and what spans sections (each section has checked itself)."""
-        for key in ("rounds", "inner_steps", "checkpoint_every"):
+        for key in ("rounds", "inner_steps", "checkpoint_every", "threads"):
             positive(at + key, getattr(self, key))
         if self.grid.private_head and self.model.tie_embeddings and not self.grid.private_embedding:
             raise DipacoError("config: grid.private_head=true with model.tie_embeddings=true would keep only the final norm "

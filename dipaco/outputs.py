@@ -138,7 +138,7 @@ def check_out_dir(out: str | Path, kind: str, flag: str = "--out", inputs: dict 
 
 
 # the folders a command keeps inside a run directory, each for one policy file: (where, relative to the run, the
-# folder's name pattern, file name); see dipaco.eval.policy_files
+# folder's name pattern, file name); see dipaco.eval.once_policy and dipaco.eval.window_policy
 RUN_POLICY_FOLDERS = ((("routing",), "once.json"), (("window_routers", "w*"), "policy.json"))
 POLICY_MAX_BYTES = 1 << 20  # policies are a few kB; a bigger file of that name is not taken for one
 

@@ -1,5 +1,6 @@
 """The Ray engine's tasks, without Ray: a phase, an outer step, a validation. Each reads its inputs from the run
-directory (``dipaco.taskstore``), computes with the code every engine shares, and commits its output by a rename.
+directory, local or in a bucket (``dipaco.taskstore``), computes with the code every engine shares, and commits its
+output with a commit record that only the first attempt creates.
 
   ``run_phase``    trainee i, version v: load the path's modules at version v and the trainee's state, validate the
                    path's global weights (its validator trainee), take H inner steps (``dipaco.trainee.inner_step``),
@@ -10,42 +11,43 @@ directory (``dipaco.taskstore``), computes with the code every engine shares, an
                    ``Q_down``), optional √P rescaling, the outer Nesterov step (``dipaco.outer.OuterOptimizer``)
   ``validate``     the validation loss of one path at one version, for rounds no phase validated (the last one)
 
-Same inputs, same bits: a task pins its torch threads (``ray.threads``), and nothing it computes depends on which
+Same inputs, same bits: a task pins its torch threads (``threads``, as every engine does), and nothing it computes depends on which
 process or machine runs it, so a retried phase writes exactly what the lost attempt would have written.
 
-Test hook: ``DIPACO_TEST_DELAY="<trainee>:<version>:<seconds>,step:<version>:<seconds>"`` makes the first attempt of
+Test hook: ``DIPACO_TEST_DELAY="<trainee>:<version>:<seconds>[:<attempts>],step:<version>:<seconds>"`` makes the
+first attempt (or the first ``attempts``) of
 that phase sleep halfway through its inner steps, or the first outer step from that version sleep after its first
 module (tests kill the process there, or leave a phase late for a quorum).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from dipaco.checkpoint import load_tensors
 from dipaco.comm import flatten, reduce_arrived, unflatten
 from dipaco.config import TrainConfig
 from dipaco.grid import Grid
-from dipaco.io import write_json
 from dipaco.model import llama_config, new_model
 from dipaco.outer import OuterOptimizer, outer_gradient, sqrt_rescale
 from dipaco.quant import dequantize, quantize
 from dipaco.shards import ShardSet
-from dipaco.taskstore import TaskStore, save_tensors
+from dipaco.runstore import cache_root, local_shards
+from dipaco.storage import sha256
+from dipaco.taskstore import Damaged, TaskStore, state_bytes, tensors_bytes
 from dipaco.trainee import fixed_windows, inner_step, make_trainee, round_losses, validate
 
 
 @dataclass
 class PhaseSpec:
     """Everything a phase needs, resolved by the driver (small: paths, names and numbers)."""
-    run: str
+    run: str                    # the run's location: a local path or a URL
+    lineage: str                # the queue it commits into (``dipaco.taskstore``)
     shards: str
     cfg: TrainConfig
     grid: Grid
@@ -54,8 +56,8 @@ class PhaseSpec:
     sources: list[str]
     version: int
     schedule_steps: int
-    modules: dict[str, str]     # module -> the file of its version ``version``
-    state: str                  # the trainee state file to start from
+    modules: dict[str, dict]    # module -> its version ``version`` (``taskstore.ref``: key and checksum)
+    state: dict                 # the trainee state to start from (a ref)
     exact_state: bool           # False: the state from before a dropped phase (its step moves to this round's)
     validate: bool              # this trainee validates its path at ``version`` (and no one has yet)
     val_sources: list[str]      # the shard paths of the path's validation windows (all its trainees' shards)
@@ -65,13 +67,14 @@ class PhaseSpec:
 class StepSpec:
     """An outer step of one group of modules from version ``version`` to ``version + 1``."""
     run: str
+    lineage: str
     cfg: TrainConfig
     group: str
     version: int
     layout: dict[str, list[str]]           # module -> its tensor names in model order (the flattening order)
-    modules: dict[str, str]                # module -> the file of its version ``version``
-    outer: str                             # the momentum file of version ``version``
-    contributors: dict[int, str]           # trainee -> its committed phase directory
+    modules: dict[str, dict]               # module -> its version ``version`` (a ref)
+    outer: dict                            # the momentum of version ``version`` (a ref)
+    contributors: dict[int, dict]          # trainee -> its committed outer gradients (a ref)
     weights: dict[str, dict[int, float]]   # module -> {trainee: w_i} over the contributors
     paths_through: dict[str, int]
 
@@ -79,10 +82,10 @@ class StepSpec:
 _cache: dict = {}  # per worker process: one model to train in, the open shard sets (a phase rebuilds neither)
 
 
-def _shards(root: str) -> ShardSet:
-    if root not in _cache:
-        _cache[root] = ShardSet(root)
-    return _cache[root]
+def _shards(location: str) -> ShardSet:
+    if location not in _cache:
+        _cache[location] = ShardSet(local_shards(location))  # a URL: copied to this machine once
+    return _cache[location]
 
 
 def _model(cfg: TrainConfig, shards: ShardSet):
@@ -100,13 +103,18 @@ def where() -> dict:
 def run_phase(spec: PhaseSpec, node: str = "") -> dict:
     """Phase (trainee, version); returns its record (also committed as phase.json)."""
     began = time.perf_counter()
-    torch.set_num_threads(spec.cfg.ray.threads)
-    store, cfg, v, i = TaskStore(spec.run), spec.cfg, spec.version, spec.trainee
+    torch.set_num_threads(spec.cfg.trainee_threads)
+    store, cfg, v, i = TaskStore(spec.run, spec.lineage), spec.cfg, spec.version, spec.trainee
     attempt = store.record_attempt(v, i, where() | {"node": node})
+    if attempt > 1:  # its worker or node was lost: back off (a preempted machine's replacement may need a moment)
+        time.sleep(retry_backoff(attempt))
     shards = _shards(spec.shards)
     tr = make_trainee(i, spec.path, spec.sources, spec.grid, shards, cfg, model=_model(cfg, shards))
-    modules = {m: load_tensors(Path(f)) for m, f in spec.modules.items()}
-    state = torch.load(spec.state, map_location="cpu", weights_only=True)
+    modules = {m: store.load_tensors(r) for m, r in spec.modules.items()}
+    cache = StateCache(spec.run, spec.lineage, i) if cfg.ray.sticky else None
+    state, cached = cache.load(spec.state) if cache else (None, False)
+    if state is None:
+        state = store.load_state(spec.state)
     if not spec.exact_state:
         state["step"] = v * cfg.inner_steps
     tr.load_state(state)
@@ -132,38 +140,44 @@ def run_phase(spec: PhaseSpec, node: str = "") -> dict:
     computed = time.perf_counter()
 
     bits, block = cfg.comm.bits, cfg.comm.block_size
-    final = store.phase_dir(v, i)
-    tmp = store.staging(final)
+    base, attempt_id = store.phase_key(v, i), store.new_attempt()
     deltas = {}
     for m, g in glob.items():
         flat = flatten(outer_gradient(g, tr.model.module_tensors(m)))
         deltas[m] = flat if bits == 32 else quantize(flat, bits, block)
-    sent = save_tensors(deltas, tmp / "deltas.safetensors")
-    torch.save(tr.state(), tmp / "state.pt")
+    sent = sum(t.numel() * t.element_size() for t in deltas.values())
+    new_state = state_bytes(tr.state())
+    objects = {"deltas.safetensors": store.put(base, attempt_id, "deltas.safetensors", tensors_bytes(deltas)),
+               "state.pt": store.put(base, attempt_id, "state.pt", new_state)}  # the durable copy, always
+    if cache:
+        cache.keep(new_state, objects["state.pt"]["sha256"])
     record = {"trainee": i, "path": spec.path, "version": v, "attempt": attempt, "train_loss": mean, "inner": logs,
               "val_loss": val, "bytes_sent": sent, "bytes_loaded": sum(t.numel() * t.element_size()
                                                                       for ts in modules.values() for t in ts.values()),
               "load_s": loaded - began, "val_s": validated - loaded, "compute_s": computed - validated,
-              "save_s": time.perf_counter() - computed, **where(), "node": node}
-    write_json(tmp / "phase.json", record)  # last: a phase directory without it is not a phase
-    record["committed"] = store.commit(tmp, final)
+              "save_s": time.perf_counter() - computed, **where(), "node": node, **store.storage.counters(),
+              "state_cached": cached}
+    record["committed"] = store.commit(base, attempt_id, objects, record)  # last: the first attempt to commit wins
     return record
 
 
 def outer_step(spec: StepSpec, node: str = "") -> dict:
     """Version ``version + 1`` of the group's modules; returns its record (also committed as step.json)."""
     began = time.perf_counter()
-    store, cfg, bits, block = TaskStore(spec.run), spec.cfg, spec.cfg.comm.bits, spec.cfg.comm.block_size
-    final = store.version_dir(spec.version + 1, spec.group)
-    if store.version_ready(spec.version + 1, spec.group):  # an earlier attempt committed it before it was lost
-        return store.step_info(spec.version + 1, spec.group)
+    store, cfg, bits, block = TaskStore(spec.run, spec.lineage), spec.cfg, spec.cfg.comm.bits, spec.cfg.comm.block_size
+    base, attempt_id = store.version_key(spec.version + 1, spec.group), store.new_attempt()
+    try:
+        done = store.read_commit(base)
+    except Damaged:
+        done = None
+    if done is not None:  # an earlier attempt committed it before it was lost
+        return done["record"]
     store.record_attempt(spec.version, f"step_{spec.group}", where() | {"node": node})
     delay = _test_delay("step", spec.version, store.step_attempts(spec.version))
-    momentum = load_tensors(Path(spec.outer))
-    tmp = store.staging(final)
-    received, new_momentum = 0, {}
+    momentum = store.load_tensors(spec.outer)
+    received, new_momentum, objects, payloads = 0, {}, {}, {}
     for m, names in spec.layout.items():
-        loaded = load_tensors(Path(spec.modules[m]))
+        loaded = store.load_tensors(spec.modules[m])
         tensors = {n: loaded[n] for n in names}
         outer = OuterOptimizer({m: tensors}, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
         outer.load_state_dict({k: t for k, t in momentum.items() if k.split("/", 1)[0] == m})
@@ -171,36 +185,37 @@ def outer_step(spec: StepSpec, node: str = "") -> dict:
             numel = sum(t.numel() for t in tensors.values())
             vectors = {}
             for i in sorted(spec.contributors):
-                with safe_open(str(Path(spec.contributors[i]) / "deltas.safetensors"), "pt") as f:
-                    sent = f.get_tensor(m)
+                if i not in payloads:
+                    payloads[i] = store.load_tensors(spec.contributors[i])
+                sent = payloads[i].pop(m)
                 received += sent.numel() * sent.element_size()
                 vectors[i] = sent if bits == 32 else dequantize(sent, numel, bits, block)
             grad = unflatten(reduce_arrived(vectors, spec.weights[m], bits, block), tensors)
             if cfg.grid.sqrt_rescale:
                 sqrt_rescale(grad, spec.paths_through[m])
             outer.step(m, grad)
-        save_tensors(tensors, tmp / f"{m}.safetensors")
+        objects[f"{m}.safetensors"] = store.put(base, attempt_id, f"{m}.safetensors", tensors_bytes(tensors))
         if delay:  # a test kills the executor here
             time.sleep(delay)
             delay = 0.0
         new_momentum.update(outer.state_dict())
-    save_tensors(new_momentum, tmp / "outer.safetensors")
+    objects["outer.safetensors"] = store.put(base, attempt_id, "outer.safetensors", tensors_bytes(new_momentum))
     record = {"group": spec.group, "version": spec.version + 1, "contributors": sorted(spec.contributors),
-              "bytes_received": received, "seconds": time.perf_counter() - began, **where(), "node": node}
-    write_json(tmp / "step.json", record)
-    store.commit(tmp, final)
+              "bytes_received": received, "seconds": time.perf_counter() - began, **where(), "node": node,
+              **store.storage.counters()}
+    store.commit(base, attempt_id, objects, record)
     return record
 
 
-def validate_path(run: str, shards_dir: str, cfg: TrainConfig, grid: Grid, path: str, sources: list[str], version: int,
-                  modules: dict[str, str]) -> float | None:
+def validate_path(run: str, lineage: str, shards_dir: str, cfg: TrainConfig, grid: Grid, path: str, sources: list[str],
+                  version: int, modules: dict[str, dict]) -> float | None:
     """The validation loss of ``path`` at ``version`` (written to the queue) for a round no phase validated;
-    ``modules``: module -> the file of its version ``version``."""
-    torch.set_num_threads(cfg.ray.threads)
-    shards = _shards(shards_dir)
+    ``modules``: module -> its version ``version`` (a ref)."""
+    torch.set_num_threads(cfg.trainee_threads)
+    shards, store = _shards(shards_dir), TaskStore(run, lineage)
     tr = make_trainee(0, path, sources, grid, shards, cfg, model=_model(cfg, shards))
-    loaded = {m: load_tensors(Path(f)) for m, f in modules.items()}
-    return _val_loss(TaskStore(run), shards, cfg, path, sources, version, loaded, tr.model)
+    loaded = {m: store.load_tensors(r) for m, r in modules.items()}
+    return _val_loss(store, shards, cfg, path, sources, version, loaded, tr.model)
 
 
 def _val_loss(store: TaskStore, shards: ShardSet, cfg: TrainConfig, path: str, sources: list[str], version: int,
@@ -215,11 +230,45 @@ def _val_loss(store: TaskStore, shards: ShardSet, cfg: TrainConfig, path: str, s
     return val
 
 
+class StateCache:
+    """Trainee states kept on this node between its phases (sticky trainees): one file per trainee, named by its
+    sha256, which must equal the checksum the phase's input reference holds (a stale or damaged file is a miss)."""
+
+    def __init__(self, run: str, lineage: str, trainee: int):
+        self.dir = cache_root() / "states" / sha256(run.encode())[:16] / lineage
+        self.trainee = trainee
+
+    def load(self, r: dict) -> tuple[dict | None, bool]:
+        f = self.dir / f"trainee_{self.trainee}-{r['sha256']}.pt"
+        if not r["sha256"] or not f.is_file():
+            return None, False
+        data = f.read_bytes()
+        if sha256(data) != r["sha256"]:
+            return None, False
+        buf = io.BytesIO(data)
+        return torch.load(buf, map_location="cpu", weights_only=True), True
+
+    def keep(self, data: bytes, digest: str) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        final = self.dir / f"trainee_{self.trainee}-{digest}.pt"
+        tmp = final.with_name(f".{final.name}.{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, final)
+        for old in self.dir.glob(f"trainee_{self.trainee}-*.pt"):  # the newest state only
+            if old != final:
+                old.unlink(missing_ok=True)
+
+
+def retry_backoff(attempt: int) -> float:
+    """Seconds attempt ``attempt`` (2, 3, ...) of a task waits before it starts: 0.5, 1, 2, ... up to 30."""
+    return min(30.0, 0.5 * 2 ** (attempt - 2))
+
+
 def _test_delay(who: int | str, version: int, attempt: int) -> float:
-    """Seconds the first attempt of phase (``who`` = trainee, version) or of an outer step from ``version``
-    (``who`` = "step": the first attempt of any group's step) sleeps, from the test hook ``DIPACO_TEST_DELAY``."""
+    """Seconds the first attempt (the first N with ``:N``) of phase (``who`` = trainee, version) or of an outer step
+    from ``version`` (``who`` = "step": any group's step) sleeps, from the test hook ``DIPACO_TEST_DELAY``."""
     for item in filter(None, os.environ.get("DIPACO_TEST_DELAY", "").split(",")):
-        target, v, seconds = item.split(":")
-        if target == str(who) and int(v) == version and attempt == 1:
+        target, v, seconds, *upto = item.split(":")
+        if target == str(who) and int(v) == version and attempt <= int(upto[0] if upto else 1):
             return float(seconds)
     return 0.0

@@ -1,9 +1,10 @@
-"""``dipaco train --engine ray``: DiPaCo's task queue on Ray (the only file that imports ray).
+"""``dipaco train --engine ray``: DiPaCo's task queue on Ray (with ``dipaco.ray_cluster``, one of the two files that
+import ray).
 
 The paper trains through a queue of inner phases on shared storage: any free worker takes the next phase, outer
 executors average a module as soon as its paths' phases are in, and workers come and go. Here:
 
-  phase (trainee i, version v)   a Ray task (``dipaco.phases.run_phase``, retried ``ray.max_retries`` times when its
+  phase (trainee i, version v)   a Ray task (``dipaco.phases.run_phase``, retried without limit, with a backoff, when its
                                  worker or node is lost): H inner steps from version v of its path's modules
   outer step (group g, v -> v+1) a method call on a restartable executor actor (``dipaco.phases.outer_step``), made
                                  as soon as every phase (i, v) of g's trainees is committed
@@ -21,28 +22,34 @@ are then dropped (not exact; the metrics name them).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
+import signal
+import sys
 import time
 from pathlib import Path
 
 import ray
 import torch
 from ray.exceptions import RayTaskError, TaskCancelledError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm.auto import tqdm
 
 from dipaco import checkpoint
 from dipaco.config import TrainConfig
 from dipaco.errors import DipacoError
 from dipaco.grid import format_grid
-from dipaco.io import log, write_json
+from dipaco.io import log
+from dipaco.lease import Lease
 from dipaco.model import PathModel, count_parameters, init_modules, llama_config
 from dipaco.outer import renormalised
+from dipaco.ray_cluster import connect
 from dipaco.phases import PhaseSpec, StepSpec, outer_step, run_phase, validate_path
 from dipaco.run import Plan, RunDirectory, build_grid, check_dense_source, init_from_dense
+from dipaco.runstore import assemble, choose_lineage, config_digest, driver_mirror, local_shards, pull_run, push
 from dipaco.shards import ShardSet
-from dipaco.taskstore import TaskStore, groups
+from dipaco.storage import Storage
+from dipaco.taskstore import Damaged, TaskStore, groups, ref
 from dipaco.trainee import make_trainee
 
 
@@ -61,11 +68,10 @@ class _Executor:
     """Outer steps of its share of the groups; stateless (everything is read from the run directory), so a restart
     after its process or node was lost simply takes the next call (Ray retries the one in flight)."""
 
-    def __init__(self, run: str, index: int):
+    def __init__(self, run: str, lineage: str, index: int):
         self.node = ray.get_runtime_context().get_node_id()
-        f = TaskStore(run).root / "executors" / f"{index}.json"
-        f.parent.mkdir(parents=True, exist_ok=True)
-        write_json(f, {"pid": os.getpid(), "node": self.node, "started": time.time()})
+        TaskStore(run, lineage).storage.write(f"queue/{lineage}/executors/{index}.json", json.dumps(
+            {"pid": os.getpid(), "node": self.node, "started": time.time()}).encode())
 
     def step(self, spec: StepSpec) -> dict:
         return outer_step(spec, node=self.node)
@@ -73,40 +79,58 @@ class _Executor:
 
 def train_ray(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume: bool = False, progress: bool = True,
               workers: int | None = None) -> dict:
-    """Train (or continue) ``run_dir`` on Ray: the cluster at ``cfg.ray.address``, or a local one with ``workers`` CPUs."""
-    shards, run_dir = ShardSet(shards_dir), Path(run_dir)
+    """Train (or continue) ``run_dir`` (a local path or a URL) on Ray: the cluster at ``cfg.ray.address``, or a local
+    one with ``workers`` CPUs."""
+    location = str(run_dir)
+    shards = ShardSet(local_shards(shards_dir))
     grid = build_grid(cfg, cfg.grid.shape or shards.grid)
     plan = Plan.make(cfg, grid, shards, 1)
-    directory = RunDirectory(run_dir, cfg, shards)
+    storage = Storage(location)
+    local = driver_mirror() if storage.remote else Path(location)
+    if storage.remote:
+        pull_run(location, "meta", into=local)
+    directory = RunDirectory(local, cfg, shards)
     start = directory.check(resume)  # bad input is refused before any Ray process starts
     if cfg.init_from:
         check_dense_source(cfg.init_from, shards)
-    env = {k: v for k, v in os.environ.items() if k.startswith("DIPACO_TEST_")}
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, logging_level=logging.ERROR, log_to_driver=False, runtime_env={"env_vars": env})
-    else:
-        ray.init(num_cpus=workers or os.cpu_count(), include_dashboard=False, logging_level=logging.ERROR,
-                 log_to_driver=False, object_store_memory=256 << 20, runtime_env={"env_vars": env})
-    try:
-        cpus = int(ray.cluster_resources().get("CPU", 0))
-        store = TaskStore(run_dir)
-        if start == 0:
-            begin_run(cfg, shards, grid, plan, directory, store, cpus)
-        else:
-            checkpoint.remove_partial_rounds(run_dir)
+    # tasks see the driver's object-store settings (an endpoint, credentials where the nodes have none of their own)
+    env = {k: v for k, v in os.environ.items() if k.startswith(("DIPACO_TEST_", "AWS_", "DIPACO_CACHE"))}
+    with Lease(location):
+        connect(cfg.ray.address, workers, env)
+        signal.signal(signal.SIGTERM, _interrupt)  # after Ray's own handler (a native stack dump): one dipaco line
+        try:
+            cpus = int(ray.cluster_resources().get("CPU", 0))
+            if start == 0:
+                begin_run(cfg, shards, grid, plan, directory, storage, cpus)
+            else:
+                checkpoint.remove_partial_rounds(local)
+            meta = json.loads((checkpoint.round_dir(local, start) / "state" / "meta.json").read_text())
+            lineage = choose_lineage(storage, start, config_digest(cfg, directory.schedule_steps()), meta, _say)
+            store = TaskStore(location, lineage)
             store.forget_before(start)
-            store.remove_staging()
-        queue = TaskQueue(cfg, shards, grid, plan, store, start, directory.schedule_steps(), progress)
-        stats = queue.run()
-    finally:
-        ray.shutdown()
-    return {"run": str(run_dir), "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(plan.trainees),
+            queue = TaskQueue(cfg, shards_dir, shards, grid, plan, store, local, start, directory.schedule_steps(),
+                              progress)
+            stats = queue.run()
+        finally:
+            ray.shutdown()
+            if storage.remote:  # the driver's local view of a run in a bucket
+                shutil.rmtree(local, ignore_errors=True)
+    return {"run": location, "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(plan.trainees),
             "workers": cpus, "engine": "ray", **stats}
 
 
-def begin_run(cfg, shards, grid, plan, directory: RunDirectory, store: TaskStore, cpus: int) -> None:
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _say(line: str) -> None:
+    print(f"dipaco train: {line}", file=sys.stderr, flush=True)
+
+
+def begin_run(cfg, shards, grid, plan, directory: RunDirectory, storage: Storage, cpus: int) -> None:
     """A new run: config.toml, run.json and round 0 (the initial modules and fresh trainee states), as the sync
-    engine writes them; the trainees are built on the meta device (no weights: only their optimizer and data state)."""
+    engine writes them (then uploaded, for a run in a bucket); the trainees are built on the meta device (no weights:
+    only their optimizer and data state)."""
     config = llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)
     modules = init_modules(grid, config, cfg.seed)
     if cfg.init_from:
@@ -116,17 +140,18 @@ def begin_run(cfg, shards, grid, plan, directory: RunDirectory, store: TaskStore
     states = [make_trainee(i, p, s, grid, shards, cfg, model=skeleton).state() for i, (p, s) in enumerate(plan.trainees)]
     directory.create(grid, plan, cpus, {"total": count_parameters(modules),
                                         "per_path": count_parameters(modules, grid.path_modules(plan.paths[0]))})
-    if store.root.exists():
-        store.forget_before(1 << 60)  # a new run (or one that never got past round 0): no earlier queue counts
     checkpoint.save_round(directory.root, 0, modules, {}, states, {"trainee_paths": plan.paths, "engine": "ray"})
+    storage.delete("metrics.jsonl")
+    push(directory.root, storage, ["config.toml", "run.json", "checkpoints/round_0", "checkpoints/latest"])
 
 
 class TaskQueue:
     """The driver's view of the queue: what is committed, dropped and in flight; what is ready to launch."""
 
-    def __init__(self, cfg: TrainConfig, shards: ShardSet, grid, plan: Plan, store: TaskStore, start: int,
-                 schedule_steps: int, progress: bool):
+    def __init__(self, cfg: TrainConfig, shards_location, shards: ShardSet, grid, plan: Plan, store: TaskStore, local: Path,
+                 start: int, schedule_steps: int, progress: bool):
         self.cfg, self.shards, self.grid, self.plan, self.store = cfg, shards, grid, plan, store
+        self.shards_location, self.local = str(shards_location), local  # local: the driver's view of the run
         self.start, self.R, self.H, self.schedule = start, cfg.rounds, cfg.inner_steps, schedule_steps
         self.T = len(plan.trainees)
         self.groups = groups(plan.weights)
@@ -140,31 +165,27 @@ class TaskQueue:
             self.layout.update(PathModel(grid, p, skeleton.config, skeleton.model).module_params)
         self.validator = {p: plan.paths.index(p) for p in plan.paths} if cfg.val_batches > 0 else {}
         self.val_sources = {p: [s for q, ss in plan.trainees if q == p for s in ss] for p in plan.paths}
-        self.checkpoints = {r for r in checkpoint.list_rounds(store.run) if r <= start}
-        self.executors = [_Executor.remote(str(store.run), k) for k in range(cfg.ray.executors)]
-        # what the run directory holds at versions >= start (a resumed driver picks up every committed task)
-        self.done, self.dropped, self.versions = set(), set(), set()
-        for v in range(start, self.R):
-            for i in range(self.T):
-                if store.dropped(v, i):
-                    self.dropped.add((i, v))
-                elif store.committed(v, i):
-                    self.done.add((i, v))
-        for v in range(start + 1, self.R + 1):
-            self.versions |= {(g, v) for g in self.groups if store.version_ready(v, g)}
+        self.checkpoints = {r for r in checkpoint.list_rounds(local) if r <= start}
+        self.executors = [_Executor.remote(store.run, store.lineage, k) for k in range(cfg.ray.executors)]
+        # what storage holds at versions >= start, verified (a resumed driver picks up every committed task)
+        self.phase_commits, self.step_commits, self.dropped, self.validated = store.scan(start, _say)
+        self.dropped = {(i, v) for i, v in self.dropped if v < self.R and i < self.T}
+        self.done = {(i, v) for i, v in self.phase_commits if v < self.R and i < self.T and (i, v) not in self.dropped}
+        self.versions = {(g, v) for g, v in self.step_commits if g in self.groups and start < v <= self.R}
         self.vals: dict[tuple[str, int], float | None] = {}
+        self.last_node: dict[int, str] = {}  # trainee -> the node of its last committed phase (sticky trainees)
         self.inflight: dict = {}  # ObjectRef -> ("phase", i, v) | ("step", g, v) | ("val", path, v)
         self.quorum_since: dict[tuple[str, int], float] = {}
-        self.logged = logged_rounds(store.run)
+        self.logged = logged_rounds(local)
         self.next_round = start + 1
         # version -> when its last outer step came back (a round's clock; versions a resumed driver finds: now)
         self.finished_at = {v: time.time() for v in range(start, self.R + 1)
                             if v == start or all((g, v) in self.versions for g in self.groups)}
-        self.bar = tqdm(total=(self.R - start) * self.T * self.H, desc=f"train {store.run.name} (ray)", unit="step",
+        self.bar = tqdm(total=(self.R - start) * self.T * self.H, desc=f"train {local.name if not store.storage.remote else store.run} (ray)", unit="step",
                         disable=not progress, dynamic_ncols=True, mininterval=1.0)
         self.bar.update(len(self.done) * self.H)
-        self.metrics = open(store.run / "metrics.jsonl", "a", encoding="utf-8")
-        self.counts = {"retried": 0, "dropped": 0}
+        self.metrics = open(local / "metrics.jsonl", "a", encoding="utf-8")
+        self.counts = {"retried": 0, "dropped": 0, "storage_read": 0, "storage_written": 0}
 
     # ----------------------------------------------------------------------------------------------- the loop
     def run(self) -> dict:
@@ -209,30 +230,63 @@ class TaskQueue:
         v = self.next_round  # validations no phase makes: the last round, or a validator whose phase was dropped
         for p, i in self.validator.items():
             needed = v == self.R or (i, v) in self.dropped
-            if (needed and (p, v) not in self.vals and ("val", p, v) not in busy and not self.store.val_file(v, p).is_file()
+            if (needed and (p, v) not in self.vals and ("val", p, v) not in busy and (p, v) not in self.validated
                     and all(self.has_version(g, v) for g in self.trainee_groups[i])):
-                files = {m: str(self.store.module_file(m, self.group_of[m], v)) for m in self.grid.path_modules(p)}
-                ref = _validate.options(max_retries=self.cfg.ray.max_retries).remote(
-                    str(self.store.run), str(self.shards.root), self.cfg, self.grid, p, self.val_sources[p], v, files)
-                self.inflight[ref] = ("val", p, v)
+                files = {m: self.module_ref(m, v) for m in self.grid.path_modules(p)}
+                task = _validate.options(max_retries=self.cfg.ray.max_retries).remote(
+                    self.store.run, self.store.lineage, self.shards_location, self.cfg, self.grid, p, self.val_sources[p],
+                    v, files)
+                self.inflight[task] = ("val", p, v)
+
+    # ----------------------------------------------------------------------------------------------- what tasks read
+    def module_ref(self, m: str, v: int) -> dict:
+        """Version v of module m: round v's checkpoint when there is one (checkpoints win), else the queue's commit."""
+        if v in self.checkpoints:
+            return ref(f"checkpoints/round_{v}/modules/{m}.safetensors")
+        g = self.group_of[m]
+        return self.store.object_ref(self.store.version_key(v, g), self.step_commits[(g, v)], f"{m}.safetensors")
+
+    def outer_ref(self, g: str, v: int) -> dict:
+        if v in self.checkpoints:
+            return ref(f"checkpoints/round_{v}/state/outer.safetensors")
+        return self.store.object_ref(self.store.version_key(v, g), self.step_commits[(g, v)], "outer.safetensors")
+
+    def state_ref(self, i: int, v: int) -> tuple[dict, bool]:
+        """(ref, is_exact) of trainee i's state at version v: the committed phase (i, v-1), or round v's checkpoint.
+        After a dropped phase it is the state from before that phase (not exact: its step is moved to the round's)."""
+        u = v
+        while True:
+            if u in self.checkpoints:  # assembled from this queue: the phase's checksum holds for the copy too
+                body = self.phase_commits.get((i, u - 1)) if (i, u - 1) not in self.dropped else None
+                digest = body["objects"]["state.pt"]["sha256"] if body and "state.pt" in body["objects"] else ""
+                return ref(f"checkpoints/round_{u}/state/trainee_{i}.pt", digest), u == v
+            if (i, u - 1) not in self.dropped:
+                key = self.store.phase_key(u - 1, i)
+                return self.store.object_ref(key, self.phase_commits[(i, u - 1)], "state.pt"), u == v
+            u -= 1
 
     def launch_phase(self, i: int, v: int) -> None:
         path, sources = self.plan.trainees[i]
-        state, exact = self.store.state_source(i, v, self.checkpoints)
-        files = {m: str(self.store.module_file(m, self.group_of[m], v)) for m in self.grid.path_modules(path)}
-        validate = v > self.start and self.validator.get(path) == i and not self.store.val_file(v, path).is_file()
-        spec = PhaseSpec(str(self.store.run), str(self.shards.root), self.cfg, self.grid, i, path, sources, v,
-                         self.schedule, files, str(state), exact, validate, self.val_sources[path])
-        self.inflight[_phase.options(max_retries=self.cfg.ray.max_retries).remote(spec)] = ("phase", i, v)
+        state, exact = self.state_ref(i, v)
+        files = {m: self.module_ref(m, v) for m in self.grid.path_modules(path)}
+        validate = v > self.start and self.validator.get(path) == i and (path, v) not in self.validated
+        spec = PhaseSpec(self.store.run, self.store.lineage, self.shards_location, self.cfg, self.grid, i, path, sources, v,
+                         self.schedule, files, state, exact, validate, self.val_sources[path])
+        options = {"max_retries": self.cfg.ray.max_retries}
+        node = self.last_node.get(i)
+        if self.cfg.ray.sticky and node:  # where its state is cached; soft: elsewhere once that node is gone
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+        self.inflight[_phase.options(**options).remote(spec)] = ("phase", i, v)
 
     def launch_step(self, g: str, v: int) -> None:
         contributors = [i for i in self.members[g] if (i, v) in self.done]
         weights = {m: self.plan.weights[m] for m in self.groups[g]}
         if len(contributors) < len(self.members[g]):  # a quorum dropped some: the rest share the whole weight
             weights = {m: renormalised(ws, contributors) for m, ws in weights.items()}
-        spec = StepSpec(str(self.store.run), self.cfg, g, v, {m: self.layout[m] for m in self.groups[g]},
-                        {m: str(self.store.module_file(m, g, v)) for m in self.groups[g]}, str(self.store.outer_file(g, v)),
-                        {i: str(self.store.phase_dir(v, i)) for i in contributors}, weights,
+        deltas = {i: self.store.object_ref(self.store.phase_key(v, i), self.phase_commits[(i, v)], "deltas.safetensors")
+                  for i in contributors}
+        spec = StepSpec(self.store.run, self.store.lineage, self.cfg, g, v, {m: self.layout[m] for m in self.groups[g]},
+                        {m: self.module_ref(m, v) for m in self.groups[g]}, self.outer_ref(g, v), deltas, weights,
                         {m: len(self.grid.paths_through(m)) for m in self.groups[g]})
         executor = self.executors[list(self.groups).index(g) % len(self.executors)]
         self.inflight[executor.step.remote(spec)] = ("step", g, v)
@@ -248,13 +302,17 @@ class TaskQueue:
             if isinstance(cause, DipacoError):
                 raise DipacoError(str(cause)) from None
             raise DipacoError(f"{describe(kind, who, v)} failed: {type(cause).__name__}: {cause}") from None
-        except ray.exceptions.RayError as exc:  # lost more often than max_retries allows
+        except ray.exceptions.RayError as exc:  # lost more often than a set ray.max_retries allows
             raise DipacoError(f"{describe(kind, who, v)} was lost {self.cfg.ray.max_retries + 1} times "
-                              f"({type(exc).__name__}); check the cluster's workers, or raise ray.max_retries") from None
+                              f"({type(exc).__name__}); check the cluster's workers, or set ray.max_retries=-1 "
+                              f"(without limit, the default)") from None
         if kind == "phase" and (who, v) not in self.dropped:
+            self.phase_commits[(who, v)] = self.store.read_commit(self.store.phase_key(v, who))
+            self.last_node[who] = result["node"] if result.get("committed") else self.last_node.get(who)
             self.done.add((who, v))
             self.bar.update(self.H)
         elif kind == "step":
+            self.step_commits[(who, v + 1)] = self.store.read_commit(self.store.version_key(v + 1, who))
             self.versions.add((who, v + 1))
             if all((g, v + 1) in self.versions for g in self.groups):
                 self.finished_at[v + 1] = time.time()
@@ -298,20 +356,26 @@ class TaskQueue:
             if v not in self.logged:
                 self.log_round(v, val)
             if v % self.cfg.checkpoint_every == 0 or v == self.R:
-                self.store.assemble(v, self.group_of, self.plan.paths, self.H, self.checkpoints)
+                states = [(*self.state_ref(i, v), v * self.H) for i in range(self.T)]
+                assemble(self.store, self.local, v, {m: self.module_ref(m, v) for m in self.group_of},
+                         [self.outer_ref(g, v) for g in self.groups], states,
+                         {"trainee_paths": self.plan.paths, "engine": "ray"})
                 previous = max(self.checkpoints)
                 self.checkpoints.add(v)
                 self.store.forget_before(previous)  # tasks still running read versions >= the previous checkpoint
             self.next_round += 1
-        shutil.rmtree(self.store.root, ignore_errors=True)  # the last round is a checkpoint: the queue holds nothing more
+        self.store.storage.delete("queue")  # the last round is a checkpoint: the queue holds nothing more
 
     def val_losses(self, v: int) -> dict[str, float] | None:
         """Every path's validation loss at version v, or None while one is still coming."""
         out = {}
         for p, i in self.validator.items():
             if (p, v) not in self.vals:
-                loss = self.store.val_loss(v, p)
-                if loss is None and (i, v) in self.done and self.store.phase_info(v, i)["val_loss"] is None:
+                try:
+                    loss = self.store.val_loss(v, p)
+                except Damaged:
+                    loss = None
+                if loss is None and (i, v) in self.done and self.phase_commits[(i, v)]["record"]["val_loss"] is None:
                     self.vals[(p, v)] = None  # its validation file is too short for one window, as in the sync engine
                 elif loss is None:
                     return None
@@ -330,15 +394,16 @@ class TaskQueue:
                                "nodes": sorted({a["node"] for a in tries})})
                 by_trainee.append(None)
                 continue
-            info = self.store.phase_info(v - 1, i)
+            info = self.phase_commits[(i, v - 1)]["record"]
             for rec in info["inner"]:
                 log(self.metrics, **rec)
             by_trainee.append(info["train_loss"])
             self.counts["retried"] += len(tries) > 1
             phases.append({k: info[k] for k in ("trainee", "path", "node", "host", "pid", "load_s", "val_s", "compute_s",
-                                                "save_s", "bytes_sent", "bytes_loaded")} | {"attempts": len(tries)})
+                                                "save_s", "bytes_sent", "bytes_loaded")} | {"attempts": len(tries)}
+                          | {k: info.get(k, 0) for k in ("storage_read", "storage_written", "state_cached")})
         losses = [x for x in by_trainee if x is not None]
-        steps = [self.store.step_info(v, g) for g in self.groups]
+        steps = [self.step_commits[(g, v)]["record"] for g in self.groups]
         tokens = len(losses) * self.H * self.cfg.inner.batch_size * self.cfg.model.max_seq_len
         # from the previous round's last outer step to this one's (phases of both rounds may overlap in between)
         seconds = self.finished_at[v] - self.finished_at.get(v - 1, self.finished_at[self.start])
@@ -348,9 +413,14 @@ class TaskQueue:
             tokens_per_s=tokens / seconds if seconds > 0 else None, workers=int(ray.cluster_resources().get("CPU", 0)),
             bytes_sent=sum(p.get("bytes_sent", 0) for p in phases), bytes_received=sum(s["bytes_received"] for s in steps),
             bytes_loaded=sum(p.get("bytes_loaded", 0) for p in phases),
+            storage_read=sum(p.get("storage_read", 0) for p in phases) + sum(s.get("storage_read", 0) for s in steps),
+            storage_written=sum(p.get("storage_written", 0) for p in phases) + sum(s.get("storage_written", 0)
+                                                                                  for s in steps),
             compute_s=mean_of(phases, "compute_s"), load_s=mean_of(phases, "load_s"), save_s=mean_of(phases, "save_s"),
             dropped=[p["trainee"] for p in phases if p.get("dropped")], retried=[p["trainee"] for p in phases if p["attempts"] > 1],
             phases=phases, steps=[{k: s[k] for k in ("group", "node", "pid", "seconds", "contributors")} for s in steps])
+        self.metrics.flush()
+        push(self.local, self.store.storage, ["metrics.jsonl"])  # a run in a bucket: its metrics there too
         self.bar.set_postfix(round=v, loss=f"{sum(losses) / max(1, len(losses)):.3f}")
 
 

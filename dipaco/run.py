@@ -9,7 +9,6 @@ preflight, resume checks, creation, round 0), and the trained directory read bac
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,10 +17,11 @@ import torch
 import dipaco
 from dipaco import checkpoint
 from dipaco.config import TrainConfig, from_dict, read_toml, to_dict, to_toml
+from dipaco.devices import resolve_device
 from dipaco.errors import DipacoError
 from dipaco.grid import Grid, format_grid, parse_grid
 from dipaco.io import atomic_write_text, read_json, write_json
-from dipaco.model import PathModel, llama_config
+from dipaco.model import PathModel, count_parameters, init_modules, llama_config
 from dipaco.outer import module_weights
 from dipaco.shards import ShardSet
 
@@ -82,14 +82,6 @@ class Plan:
     def validator_ranks(self) -> dict[str, int]:
         """The rank that validates each path: the lowest rank training it."""
         return {p: min(self.ranks[i] for i, q in enumerate(self.paths) if q == p) for p in self.paths}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise DipacoError("device 'cuda' requested but CUDA is not available; use --device cpu or auto")
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 # ------------------------------------------------------------------------------ the run directory's lifecycle
@@ -295,3 +287,16 @@ def init_from_dense(modules: dict, source: str | Path, shards=None) -> None:
                 raise DipacoError(f"--init-from {source}: {n} has shape {tuple(dense[n].shape)}, this run needs "
                                   f"{tuple(t.shape)}; use the same model config and tokenizer as the dense model")
             t.copy_(dense[n])
+
+
+def initial_modules(cfg: TrainConfig, grid: Grid, shards: ShardSet, first_path: str,
+                    keep: set[str] | None = None) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, int]]:
+    """Round 0's global weights of the modules in ``keep`` (all when None): every module from one seeded dense model,
+    or, with ``cfg.init_from``, from that dense run's weights; and the parameter counts of run.json (``total``: every
+    module, ``per_path``: the modules of ``first_path``)."""
+    every = init_modules(grid, llama_config(cfg.model, shards.vocab_size, shards.eos_token_id), cfg.seed)
+    counts = {"total": count_parameters(every), "per_path": count_parameters(every, grid.path_modules(first_path))}
+    modules = every if keep is None else {m: t for m, t in every.items() if m in keep}
+    if cfg.init_from:
+        init_from_dense(modules, cfg.init_from, shards)
+    return modules, counts

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -197,6 +198,28 @@ class ShardWriter:
             self.stats[p][f"{split}_tokens"] += len(arr)
             if label is not None:
                 self.labels[p][label] = self.labels[p].get(label, 0) + 1
+
+    def append_part(self, part: Path, stats: dict, labels: dict) -> None:
+        """Append a part (a directory this class wrote for a slice of the corpus, with its ``stats`` and
+        ``labels``): its tokens, its document offsets shifted by what each file already holds, its documents."""
+        for p in self.paths:
+            for split in SPLITS:
+                n = stats[p][f"{split}_docs"]
+                if not n:
+                    continue
+                files = self.files[p, split]
+                with open(token_file(part, p, split, "bin"), "rb") as src:
+                    shutil.copyfileobj(src, files.bin, 1 << 22)
+                ends = np.fromfile(token_file(part, p, split, "idx"), dtype=np.int64)[1:] + files.end
+                files.idx.write(ends.tobytes())
+                files.end = int(ends[-1])
+                for k in (f"{split}_docs", f"{split}_tokens"):
+                    self.stats[p][k] += stats[p][k]
+            for label, n in labels[p].items():
+                self.labels[p][label] = self.labels[p].get(label, 0) + n
+        for folder in DOC_FOLDERS:
+            with open(part / folder / "docs.jsonl", encoding="utf-8") as src:
+                shutil.copyfileobj(src, self.docs[folder], 1 << 22)
 
     def write_doc(self, folder: str, row: dict) -> None:
         """One whole document (``{"text", "label", "path"}`` and any more fields) to ``folder/docs.jsonl``."""

@@ -1,41 +1,49 @@
-"""The task queue's shared storage: where every phase's output and every module version lives in the run directory.
+"""The task queue's storage: where every phase's output and every module version lives, on a local disk or in a bucket.
 
-The Ray engine (``dipaco.ray_engine``) keeps no state of its own: the run directory is the source of truth, so a
-driver, a worker or a whole cluster can die and a new driver rebuilds the queue from what is committed here.
+The Ray engine (``dipaco.ray_engine``) keeps no state of its own: storage is the source of truth, so a driver, a
+worker or a whole cluster can die and a new driver rebuilds the queue from what is committed here.
 
-    RUN/queue/phases/<v>/trainee_<i>/     phase (i, v): trainee i's H inner steps from module version v
-        deltas.safetensors                  its outer gradient per module, as sent (fp32, or the comm.bits payload)
-        state.pt                            its trainee state after the phase (AdamW, step, data cursor)
-        phase.json                          losses, timings, where it ran
-    RUN/queue/attempts/<v>/trainee_<i>/<id>.json   one per attempt started (node, pid): retries are counted here
-    RUN/queue/attempts/<v>/step_<group>/<id>.json  the same for the outer step from version v
-    RUN/queue/dropped/<v>/trainee_<i>     the driver dropped phase (i, v) (quorum); its result is never used
-    RUN/queue/versions/<v>/<group>/       an outer step's output: version v of the group's modules
-        <module>.safetensors, outer.safetensors (momentum, "module/name" keys), step.json
-    RUN/queue/val/<v>/<path>.json         validation loss of the path's global weights at version v
+    RUN/queue/lineage.json                     which queue belongs to which checkpoint and config (below)
+    RUN/queue/<lineage>/phases/<v>/trainee_<i>/
+        <attempt>/deltas.safetensors             its outer gradient per module, as sent (fp32, or the comm.bits payload)
+        <attempt>/state.pt                       its trainee state after the phase (AdamW, step, data cursor)
+        commit.json                              the commit record: which attempt won, its objects' sha256, its record
+    RUN/queue/<lineage>/versions/<v>/<group>/    an outer step's output: version v of the group's modules
+        <attempt>/<module>.safetensors, <attempt>/outer.safetensors (momentum, "module/name" keys); commit.json
+    RUN/queue/<lineage>/val/<v>/<path>.json      validation loss of the path's global weights at version v
+    RUN/queue/<lineage>/attempts/<v>/<who>/<id>.json   one per attempt started (node, pid): retries are counted here
+    RUN/queue/<lineage>/dropped/<v>/trainee_<i>  the driver dropped phase (i, v) (quorum); its result is never used
 
-A phase or an outer step writes into a hidden temporary directory and commits by renaming it into place; the first
-rename wins (a directory is never renamed over a non-empty one), so a retried or duplicated task overwrites nothing
-a finished one wrote. Version v of a module is read from ``queue/versions`` or, when round v is a checkpoint, from
-``checkpoints/round_<v>``; ``assemble`` turns a finished round into the same checkpoint the sync engine writes, so
-eval, generate, export, reshard and ``--resume`` read a Ray run like any other.
+**Commits need no rename.** An attempt writes its objects under its own name, then creates the commit record only if
+none exists (``Storage.create_if_absent``: S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, a hard link
+locally). The first attempt to commit wins; a loser's objects are never read, since readers follow commit records
+only, and check every object against the sha256 in the record. A record that does not parse or whose objects fail
+their checksum is not a commit: the driver removes it when it starts, and the task is done again (``scan``).
 
+**Checkpoints win over the queue.** Version v of a module is read from ``checkpoints/round_<v>`` when that round is a
+checkpoint, and from the queue only otherwise. A queue is only used with the checkpoint it grew from: the lineage
+names its base round, a digest of the config that decides its bits, and every round assembled from it records the
+lineage; a driver that starts from a checkpoint the queue did not grow from (another engine finished a round, the
+config changed) starts a new lineage, and the old one is deleted unread.
+
+``assemble`` turns a finished round into the checkpoint every engine reads (links or copies of the committed objects),
+so eval, generate, export, reshard and ``--resume`` read a Ray run like any other.
 A *group* is the set of modules averaged over the same trainees (``groups``): one outer-step task each per round.
 """
 
 from __future__ import annotations
 
+import io
 import json
-import os
-import shutil
+import time
 import uuid
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
-from dipaco import checkpoint
-from dipaco.io import atomic_write_text, read_json
+from dipaco.errors import DipacoError
+from dipaco.storage import Storage, sha256
 
 
 def groups(weights: dict[str, dict[int, float]]) -> dict[str, list[str]]:
@@ -46,163 +54,202 @@ def groups(weights: dict[str, dict[int, float]]) -> dict[str, list[str]]:
     return {"+".join(ms) if len(ms) <= 4 else f"{ms[0]}+{len(ms) - 1}": ms for ms in by_trainees.values()}
 
 
+class Damaged(Exception):
+    """An object that fails its commit record's checksum, or a record that does not parse."""
+
+
+def ref(key: str, digest: str = "") -> dict:
+    """A reference to an object a task reads: its key and, for a queue object, the sha256 its commit record holds."""
+    return {"key": key, "sha256": digest}
+
+
+def tensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    return save_safetensors({k: t.detach().cpu().contiguous() for k, t in tensors.items()})
+
+
+def state_bytes(state: dict) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
 class TaskStore:
-    def __init__(self, run: str | Path):
-        self.run = Path(run)
-        self.root = self.run / "queue"
+    """The queue of lineage ``lineage`` in the run at ``run`` (a local path or a URL)."""
+
+    def __init__(self, run: str, lineage: str = ""):
+        self.run, self.lineage = str(run), lineage
+        self.storage = Storage(run)
+        self.root = f"queue/{lineage}"
 
     # ------------------------------------------------------------------------------------------- names
-    def phase_dir(self, v: int, i: int) -> Path:
-        return self.root / "phases" / str(v) / f"trainee_{i}"
+    def phase_key(self, v: int, i: int) -> str:
+        return f"{self.root}/phases/{v}/trainee_{i}"
 
-    def attempts_dir(self, v: int, who: int | str) -> Path:
+    def version_key(self, v: int, group: str) -> str:
+        return f"{self.root}/versions/{v}/{group}"
+
+    def val_key(self, v: int, path: str) -> str:
+        return f"{self.root}/val/{v}/{path}.json"
+
+    def attempts_key(self, v: int, who: int | str) -> str:
         """Attempts of phase (``who`` = trainee, v), or of an outer step from v (``who`` = "step_<group>")."""
-        return self.root / "attempts" / str(v) / (f"trainee_{who}" if isinstance(who, int) else who)
+        return f"{self.root}/attempts/{v}/" + (f"trainee_{who}" if isinstance(who, int) else who)
 
-    def dropped_file(self, v: int, i: int) -> Path:
-        return self.root / "dropped" / str(v) / f"trainee_{i}"
+    def dropped_key(self, v: int, i: int) -> str:
+        return f"{self.root}/dropped/{v}/trainee_{i}"
 
-    def version_dir(self, v: int, group: str) -> Path:
-        return self.root / "versions" / str(v) / group
+    # ------------------------------------------------------------------------------------------- commits
+    @staticmethod
+    def new_attempt() -> str:
+        return uuid.uuid4().hex[:16]
 
-    def val_file(self, v: int, path: str) -> Path:
-        return self.root / "val" / str(v) / f"{path}.json"
+    def put(self, base: str, attempt: str, name: str, data: bytes) -> dict:
+        """Write one object of an attempt (under its own name: nothing else writes there); returns its digest entry."""
+        self.storage.write(f"{base}/{attempt}/{name}", data)
+        return {"sha256": sha256(data), "size": len(data)}
 
-    # ------------------------------------------------------------------------------------------- state
-    def committed(self, v: int, i: int) -> bool:
-        return (self.phase_dir(v, i) / "phase.json").is_file()
+    def commit(self, base: str, attempt: str, objects: dict[str, dict], record: dict) -> bool:
+        """Create ``base``'s commit record only if none exists: True when this attempt won."""
+        body = {"attempt": attempt, "objects": objects, "record": record, "lineage": self.lineage, "time": time.time()}
+        return self.storage.create_if_absent(f"{base}/commit.json", json.dumps(body).encode())
 
-    def dropped(self, v: int, i: int) -> bool:
-        return self.dropped_file(v, i).is_file()
+    def read_commit(self, base: str) -> dict | None:
+        """``base``'s commit record, None when there is none; Damaged when it does not parse."""
+        try:
+            data = self.storage.read(f"{base}/commit.json")
+        except FileNotFoundError:
+            return None
+        try:
+            body = json.loads(data)
+            if not isinstance(body["objects"], dict) or not isinstance(body["record"], dict):
+                raise TypeError("objects and record must be tables")
+            body["attempt"] = str(body["attempt"])
+            return body
+        except (ValueError, KeyError, TypeError) as exc:
+            raise Damaged(f"{self.storage.where(base + '/commit.json')} does not parse ({exc})") from None
 
-    def version_ready(self, v: int, group: str) -> bool:
-        return (self.version_dir(v, group) / "step.json").is_file()
+    def object_ref(self, base: str, body: dict, name: str) -> dict:
+        if name not in body["objects"]:
+            raise Damaged(f"the commit record of {self.storage.where(base)} lists no {name}")
+        return ref(f"{base}/{body['attempt']}/{name}", body["objects"][name]["sha256"])
 
-    def phase_info(self, v: int, i: int) -> dict:
-        return read_json(self.phase_dir(v, i) / "phase.json", "phase record")
+    def verify(self, base: str, body: dict) -> None:
+        """Read every object of a commit and check it against its record (Damaged if one is missing or differs)."""
+        for name in body["objects"]:
+            self.read_ref(self.object_ref(base, body, name))
 
-    def step_info(self, v: int, group: str) -> dict:
-        return read_json(self.version_dir(v, group) / "step.json", "outer step record")
+    def read_ref(self, r: dict) -> bytes:
+        try:
+            data = self.storage.read(r["key"])
+        except FileNotFoundError:
+            raise Damaged(f"{self.storage.where(r['key'])} is missing") from None
+        if r["sha256"] and sha256(data) != r["sha256"]:
+            raise Damaged(f"{self.storage.where(r['key'])} does not match its commit record's checksum")
+        return data
+
+    def load_tensors(self, r: dict) -> dict[str, torch.Tensor]:
+        try:
+            return load_safetensors(self.read_ref(r))
+        except Damaged as exc:
+            raise DipacoError(f"{exc}; resume the run (--resume): a damaged queue object is redone") from None
+        except Exception as exc:  # a checkpoint file (no checksum) that safetensors cannot read
+            raise DipacoError(f"{self.storage.where(r['key'])} is corrupt or truncated ({type(exc).__name__}); restore "
+                              f"it, or resume from an earlier round") from None
+
+    def load_state(self, r: dict) -> dict:
+        try:
+            data = io.BytesIO(self.read_ref(r))
+            return torch.load(data, map_location="cpu", weights_only=True)
+        except Damaged as exc:
+            raise DipacoError(f"{exc}; resume the run (--resume): a damaged queue object is redone") from None
+        except Exception as exc:
+            raise DipacoError(f"{self.storage.where(r['key'])} is corrupt ({type(exc).__name__}); restore it, or "
+                              f"resume from an earlier round") from None
+
+    # ------------------------------------------------------------------------------------------- small records
+    def record_attempt(self, v: int, who: int | str, where: dict) -> int:
+        """Note an attempt as started; returns its number (1 for the first)."""
+        key = self.attempts_key(v, who)
+        self.storage.write(f"{key}/{uuid.uuid4().hex}.json", json.dumps(where).encode())
+        return len(self.storage.list(key))
 
     def attempts(self, v: int, who: int | str) -> list[dict]:
-        d = self.attempts_dir(v, who)
-        return sorted((json.loads(f.read_text()) for f in d.glob("*.json")), key=lambda a: a["started"]) if d.is_dir() else []
+        """The attempts started (a record that does not parse is left out: it only counts retries)."""
+        key, found = self.attempts_key(v, who), []
+        for name in self.storage.list(key):
+            try:
+                a = json.loads(self.storage.read(f"{key}/{name}"))
+                found.append({"node": str(a.get("node", "")), "started": float(a["started"]), **a})
+            except (ValueError, KeyError, TypeError, AttributeError, FileNotFoundError):
+                continue
+        return sorted(found, key=lambda a: a["started"])
 
     def step_attempts(self, v: int) -> int:
         """Attempts of outer steps from version v, over all groups."""
-        return len(list((self.root / "attempts" / str(v)).glob("step_*/*.json")))
-
-    def val_loss(self, v: int, path: str) -> float | None:
-        f = self.val_file(v, path)
-        return float(json.loads(f.read_text())["loss"]) if f.is_file() else None
-
-    # ------------------------------------------------------------------------------------------- writing
-    def record_attempt(self, v: int, who: int | str, where: dict) -> int:
-        """Note an attempt (see ``attempts_dir``) as started; returns its number (1 for the first)."""
-        d = self.attempts_dir(v, who)
-        d.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(d / f"{uuid.uuid4().hex}.json", json.dumps(where))
-        return len(list(d.glob("*.json")))
+        base = f"{self.root}/attempts/{v}"
+        return sum(len(self.storage.list(f"{base}/{d}")) for d in self.storage.list(base) if d.startswith("step_"))
 
     def drop(self, v: int, i: int, why: str) -> None:
-        f = self.dropped_file(v, i)
-        f.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(f, why + "\n")
+        self.storage.write(self.dropped_key(v, i), (why + "\n").encode())
+
+    def dropped(self, v: int, i: int) -> bool:
+        return self.storage.exists(self.dropped_key(v, i))
 
     def write_val(self, v: int, path: str, loss: float) -> None:
-        f = self.val_file(v, path)
-        f.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(f, json.dumps({"loss": loss}))
+        self.storage.create_if_absent(self.val_key(v, path), json.dumps({"loss": loss}).encode())
 
-    def staging(self, final: Path) -> Path:
-        """A fresh hidden directory beside ``final`` for one attempt to write into."""
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
-        tmp.mkdir()
-        return tmp
-
-    @staticmethod
-    def commit(tmp: Path, final: Path) -> bool:
-        """Rename ``tmp`` to ``final``; False (and ``tmp`` removed) when another attempt committed first."""
+    def val_loss(self, v: int, path: str) -> float | None:
+        """The committed validation loss, None when there is none; Damaged when the file does not hold one."""
         try:
-            os.rename(tmp, final)
-            return True
-        except OSError:
-            if not final.is_dir():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-            return False
-
-    # ------------------------------------------------------------------------------------------- reading
-    def module_file(self, m: str, group: str, v: int) -> Path:
-        """Where version v of module m is: the outer step's output, else round v's checkpoint."""
-        f = self.version_dir(v, group) / f"{m}.safetensors"
-        return f if f.is_file() else checkpoint.round_dir(self.run, v) / "modules" / f"{m}.safetensors"
-
-    def outer_file(self, group: str, v: int) -> Path:
-        f = self.version_dir(v, group) / "outer.safetensors"
-        return f if f.is_file() else checkpoint.round_dir(self.run, v) / "state" / "outer.safetensors"
-
-    def state_source(self, i: int, v: int, checkpoints: set[int]) -> tuple[Path, bool]:
-        """(file, is_exact) of trainee i's state at version v: the committed phase (i, v-1), or round v's checkpoint.
-        After a dropped phase it is the state from before that phase (not exact: its step is moved to the round's)."""
-        u = v
-        while True:
-            if u in checkpoints:
-                return checkpoint.round_dir(self.run, u) / "state" / f"trainee_{i}.pt", u == v
-            if not self.dropped(u - 1, i):
-                return self.phase_dir(u - 1, i) / "state.pt", u == v
-            u -= 1
-
-    # ------------------------------------------------------------------------------------------- checkpoints
-    def assemble(self, v: int, group_of: dict[str, str], trainee_paths: list[str], H: int, checkpoints: set[int]) -> None:
-        """Write round v's checkpoint (the sync engine's format) from the queue: module files and trainee states are
-        hard-linked (copied across file systems), the groups' momentum joined into one file; ``latest`` moves last."""
-        tmp = checkpoint.begin_round(self.run, v)
+            data = self.storage.read(self.val_key(v, path))
+        except FileNotFoundError:
+            return None
         try:
-            for m, g in group_of.items():
-                _link(self.module_file(m, g, v), tmp / "modules" / f"{m}.safetensors")
-            for i in range(len(trainee_paths)):
-                source, exact = self.state_source(i, v, checkpoints)
-                if exact:
-                    _link(source, tmp / "state" / f"trainee_{i}.pt")
-                else:  # its last phase was dropped: the state before it, at this round's step
-                    state = torch.load(source, map_location="cpu", weights_only=True)
-                    state["step"] = v * H
-                    torch.save(state, tmp / "state" / f"trainee_{i}.pt")
-            outer = {}
-            for g in dict.fromkeys(group_of.values()):
-                outer.update(load_file(str(self.outer_file(g, v))))
-            checkpoint.finish_round(self.run, v, tmp, list(group_of), outer, len(trainee_paths),
-                                    {"trainee_paths": trainee_paths, "engine": "ray"})
-        except BaseException:
-            checkpoint.abort_round(tmp)
-            raise
+            return float(json.loads(data)["loss"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise Damaged(f"{self.storage.where(self.val_key(v, path))} does not hold a loss ({exc})") from None
+
+    # ------------------------------------------------------------------------------------------- the driver's scan
+    def scan(self, start: int, say) -> tuple[dict, dict, set, set]:
+        """What the queue holds at versions >= ``start``, verified: ({(i, v): phase commit}, {(g, v): step commit},
+        {(i, v) dropped}, {(path, v) validated}). Anything damaged is removed (``say`` tells the user) and redone."""
+        phases, steps, dropped, vals = {}, {}, set(), set()
+        for kind in ("phases", "versions"):
+            for v in self._versions(kind, start):
+                for who in self.storage.list(f"{self.root}/{kind}/{v}"):
+                    base = f"{self.root}/{kind}/{v}/{who}"
+                    try:
+                        body = self.read_commit(base)
+                        if body is None:
+                            continue
+                        self.verify(base, body)
+                    except Damaged as exc:
+                        say(f"{exc}: removed, the task is done again")
+                        self.storage.delete(f"{base}/commit.json")
+                        continue
+                    if kind == "phases" and who.startswith("trainee_") and who[8:].isdigit():
+                        phases[(int(who[8:]), v)] = body
+                    elif kind == "versions":
+                        steps[(who, v)] = body
+        for v in self._versions("dropped", start):
+            dropped |= {(int(n[8:]), v) for n in self.storage.list(f"{self.root}/dropped/{v}") if n[8:].isdigit()}
+        for v in self._versions("val", start):
+            for name in self.storage.list(f"{self.root}/val/{v}"):
+                path = name.removesuffix(".json")
+                try:
+                    if self.val_loss(v, path) is not None:
+                        vals.add((path, v))
+                except Damaged as exc:
+                    say(f"{exc}: removed, the validation is done again")
+                    self.storage.delete(self.val_key(v, path))
+        return phases, steps, dropped, vals
+
+    def _versions(self, kind: str, start: int) -> list[int]:
+        return [int(n) for n in self.storage.list(f"{self.root}/{kind}") if n.isdigit() and int(n) >= start]
 
     def forget_before(self, v: int) -> None:
-        """Remove what no task can read any more: phases, attempts, drops and validation of versions below v and the
-        module versions below v (a later checkpoint holds what is still needed)."""
+        """Remove what no task can read any more: the queue's entries of versions below v."""
         for kind in ("phases", "attempts", "dropped", "versions", "val"):
-            folder = self.root / kind
-            for d in folder.iterdir() if folder.is_dir() else ():
-                if d.name.isdigit() and int(d.name) < v:
-                    shutil.rmtree(d, ignore_errors=True)
-
-    def remove_staging(self) -> None:
-        """Temporary directories of attempts that never committed (a new driver starts; the old tasks are gone)."""
-        for kind in ("phases", "versions"):
-            for d in (self.root / kind).glob("*/.*.tmp-*"):
-                shutil.rmtree(d, ignore_errors=True)
-
-
-def save_tensors(tensors: dict[str, torch.Tensor], f: Path) -> int:
-    """safetensors file of CPU tensors; returns its payload bytes (what crossed to storage)."""
-    save_file({k: t.detach().cpu().contiguous() for k, t in tensors.items()}, str(f))
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def _link(source: Path, target: Path) -> None:
-    try:
-        os.link(source, target)
-    except OSError:  # another file system, or links not allowed
-        shutil.copy2(source, target)
+            for name in self.storage.list(f"{self.root}/{kind}"):
+                if name.isdigit() and int(name) < v:
+                    self.storage.delete(f"{self.root}/{kind}/{name}")

@@ -56,16 +56,16 @@ class RoutedRun:
     # -------------------------------------------------------------- routing
     def route(self, texts: list[str]) -> list[str]:
         """The shard router's path id per text (a dense run always answers its single path). ``path_for``, ``generate``
-        and eval follow the run's once rule instead (``once_policy``), which may score the text's first tokens with
+        and eval follow the run's once rule instead (``find_once_policy``), which may score the text's first tokens with
         every path."""
         if isinstance(texts, str):
             raise DipacoError("route takes a list of texts, not a single string; wrap it: route([text])")
         return [self.paths[0]] * len(texts) if self.run.is_dense else self.router.route(texts)
 
-    def once_policy(self) -> dict:
+    def find_once_policy(self) -> dict:
         """The run's once rule, the one every command routes by: RUN/routing/once.json, or, for a run without it,
-        chosen now on the router documents and saved there (``perplexity.find_once_policy``)."""
-        from dipaco.eval.perplexity import find_once_policy
+        chosen now on the router documents and saved there (``dipaco.eval.once_policy.find_once_policy``)."""
+        from dipaco.eval.once_policy import find_once_policy
 
         if self._unsaved_once is not None:  # chosen once already, and the run directory could not keep it
             return self._unsaved_once
@@ -84,7 +84,7 @@ class RoutedRun:
 
     def window_router(self, w: int):
         """The run's router for every-``w`` routing (``dipaco fit-window-router``), or None."""
-        from dipaco.eval.perplexity import load_window_router
+        from dipaco.eval.window_router import load_window_router
 
         return None if self.run.is_dense else load_window_router(self.run, self.shards, w)
 

@@ -113,13 +113,13 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
 
 @torch.no_grad()
 def route_prompt(rr: RoutedRun, prompt: str, round: int | None = None) -> tuple[str, str, list[str]]:
-    """The prompt's path under the run's once rule (``RoutedRun.once_policy``: RUN/routing/once.json, the rule eval
+    """The prompt's path under the run's once rule (``RoutedRun.find_once_policy``: RUN/routing/once.json, the rule eval
     routes by), how it was chosen, and the paths read to choose it. A prefix-loss rule scores the prompt's first
     ``eval.context_tokens`` tokens with every path, one model at a time, as eval scores a document's routing context."""
     shard_path = rr.route([prompt])[0]
     if rr.run.is_dense:
         return shard_path, "shard router on the prompt's first tokens", []
-    policy = rr.once_policy()
+    policy = rr.find_once_policy()
     rule = once_rule_of(policy["chosen"])
     context = rr.run.config.eval.context_tokens
     tokens = rr.encode(prompt)[:context]
@@ -140,13 +140,13 @@ def _rule(rr: RoutedRun, w: int) -> tuple[Rule, str]:
     """The every-W rule: the best rule that runs one path, chosen on the router documents for this run
     (``policy.json``). Without one, or with one an earlier dipaco chose on the validation documents or against
     another once rule, "stay": the prompt's path throughout, never worse than routing once."""
-    from dipaco.eval.policy_files import policy_file, read_window_policy, stale_policy
+    from dipaco.eval.window_policy import read_window_policy, stale_window_policy, window_policy_file
 
     policy = read_window_policy(rr.run, rr.shards, w) if w else None
     if policy is None:
         return Rule("stay"), f"no every-{w} rule chosen for this run; choose one with dipaco fit-window-router"
-    f = policy_file(rr.run, w)
-    stale = stale_policy(policy, rr.once_policy()["name"])
+    f = window_policy_file(rr.run, w)
+    stale = stale_window_policy(policy, rr.find_once_policy()["name"])
     if stale is not None:
         return Rule("stay"), f"{f} {stale}: the prompt keeps its path"
     one = policy.get("one_path") or policy

@@ -1,5 +1,11 @@
-"""Every-W routing that never hurts: the candidate rules for re-routing a document every W tokens, and the choice
-among them on the router documents (never the held-out ones).
+"""Every-W routing that never hurts: the candidate rules for re-routing a document every W tokens, the choice among
+them on the router documents (never the held-out ones), and the file that keeps the choice
+(``RUN/window_routers/w<W>/policy.json``, beside the window router ``dipaco fit-window-router`` fits).
+
+The names say what each step does: ``pick_window_rule`` picks the best rule from every path's loss on every chunk
+(pure); ``window_policy_from_losses`` turns those losses on the router documents into the policy as saved;
+``choose_window_policy`` scores the router documents first (for a run without a saved policy); ``find_window_policy``
+reads the saved policy, or chooses one now.
 
 Chunk 0 of a document (its first W scored tokens) takes the document's path (the run's once rule,
 ``dipaco.eval.once_policy``); chunk k >= 1 takes the path a *rule* picks from what came before it:
@@ -14,7 +20,7 @@ Chunk 0 of a document (its first W scored tokens) takes the document's path (the
                            It needs every path's loss on the text so far: P forward passes instead of one (the paper's
                            small transformer router costs less; the scores here are what such a router learns to predict)
 
-``choose`` scores every path on every chunk of the router documents once, adds up each rule's chunks (a chunk's
+``pick_window_rule`` scores every path on every chunk of the router documents once, adds up each rule's chunks (a chunk's
 loss does not depend on the other chunks' paths: every token keeps its preceding context) and picks the lowest;
 ``stay`` wins ties, and wins outright when there are too few chunks to tell rules apart. The window router is fitted
 on these same documents, so its rules are scored with out-of-fold decisions (each document's windows decided by a
@@ -33,8 +39,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
+
+from dipaco.eval.documents import router_tokens
+from dipaco.eval.once_policy import route_once
+from dipaco.eval.policy_check import damaged, read_object, rule_problem
+from dipaco.eval.scorer import Scorer
+from dipaco.routing.router import BaseRouter
+from dipaco.run import Run
+from dipaco.shards import ShardSet
 
 MIN_CHUNKS = 200  # fewer re-routed chunks than this: too few to trust a rule over routing once
 RULE_KINDS = ("stay", "shard-router", "window-router", "lagged-loss")
@@ -145,25 +160,12 @@ def all_chunk_nll(scorer, paths: list[str], r: int, cuts: list[list[tuple[int, i
             for d, cs in enumerate(cuts)]
 
 
-def cross_fitted_oracle_nll(nll: np.ndarray) -> float:
-    """NLL of one span (a chunk, a document) under its cross-fitted oracle: the targets at even positions take the path
-    whose loss is lowest on the odd ones, and the other way round. ``nll``: (P, targets), every path's per-target NLL.
-
-    The plain oracle (the path of lowest loss on the span, scored on that same span) also profits from choosing
-    whichever path got lucky on these particular tokens; with short spans and several paths that luck is a good part of
-    its lead. Choosing on one half and scoring on the other removes it: what is left is what (half of) the span's own
-    text is worth to a one-path choice for that span. It is not a bound: a rule that pools what the whole document
-    has said so far can do better (on the benchmark corpora, every-64's lagged-loss rules do)."""
-    even, odd = nll[:, 0::2].sum(axis=1, dtype=np.float64), nll[:, 1::2].sum(axis=1, dtype=np.float64)
-    return float(even[int(odd.argmin())] + odd[int(even.argmin())])
-
-
 def total_nll(choice: list[list[str]], chunk_nll: list[np.ndarray], paths: list[str]) -> float:
     index = {p: j for j, p in enumerate(paths)}
     return float(sum(chunk_nll[d][k, index[p]] for d, ps in enumerate(choice) for k, p in enumerate(ps)))
 
 
-def choose(rules: list[Rule], cuts, first, ids, paths, chunk_nll, router=None, window_router=None,
+def pick_window_rule(rules: list[Rule], cuts, first, ids, paths, chunk_nll, router=None, window_router=None,
            window_logits: np.ndarray | None = None, where: str = "router documents") -> dict:
     """Every rule's perplexity on these chunks (of the ``where`` documents) and the chosen rule, with the reason."""
     tokens = sum(hi - lo for cs in cuts for lo, hi in cs)
@@ -197,6 +199,94 @@ def _pick(rules: list[Rule], scores: dict[str, float], later: int, tokens: int, 
 
 def rule_of(d: dict) -> Rule:
     return Rule(d["kind"], float(d.get("margin", 0.0)), int(d.get("lookback", 0)))
+
+
+# ---------------------------------------------------------------------- the run's every-W policy
+def window_router_dir(run: Run, w: int) -> Path:
+    return run.root / "window_routers" / f"w{w}"
+
+
+def window_policy_file(run: Run, w: int) -> Path:
+    return window_router_dir(run, w) / "policy.json"
+
+
+def fit_window_router_again(run: Run, shards, w: int) -> str:
+    return f"dipaco fit-window-router --run {run.root} --shards {shards.root} --window {w} --overwrite"
+
+
+def read_window_policy(run: Run, shards, w: int) -> dict | None:
+    """The every-``w`` rule saved with the run (``dipaco fit-window-router``), or None when it has none. A rule that
+    needs the window router needs its files beside it."""
+    f = window_policy_file(run, w)
+    if not f.exists():
+        return None
+    rewrite = fit_window_router_again(run, shards, w)
+    policy = read_object(f, rewrite)
+    rules = [policy.get("chosen")] + ([policy["one_path"].get("chosen") if isinstance(policy["one_path"], dict) else None]
+                                      if "one_path" in policy else [])
+    problem = next((p for p in (rule_problem(rule, RULE_KINDS) for rule in rules) if p), None)
+    if problem is None and not isinstance(policy.get("reason"), str):
+        problem = "no 'reason' of the rule"
+    if problem is None and any(r["kind"] == "window-router" for r in rules) and not (f.parent / "router.json").is_file():
+        problem = "its rule needs the window router, and router.json is missing"
+    if problem is not None:
+        raise damaged(f, problem, rewrite)
+    return policy
+
+
+def stale_window_policy(saved: dict, once_name: str) -> str | None:
+    """Why a saved every-W ``policy.json`` must not be followed, or None: one an earlier dipaco chose on the validation
+    documents, or one chosen while routing once used another rule than ``once_name`` (its "stay" was another path)."""
+    if saved.get("split") != "router_docs":
+        return "was chosen on the validation documents (re-run dipaco fit-window-router --overwrite)"
+    if saved.get("once_rule", "shard-router") != once_name:
+        return f"was chosen when routing once used {saved.get('once_rule', 'shard-router')}"
+    return None
+
+
+def find_window_policy(run: Run, shards: ShardSet, router: BaseRouter, w: int, r: int, once: dict,
+                       progress: bool = True) -> dict:
+    """The rule of every-W routing for this run: the one ``dipaco fit-window-router`` chose on the router documents
+    (``RUN/window_routers/w<W>/policy.json``), or, for a run without one (or a stale one,
+    ``stale_window_policy``), the one the router documents choose now among the rules that need no fitting. ``router``: the shard router; ``once``: the
+    run's once policy."""
+    saved = read_window_policy(run, shards, w)
+    why = "chosen now on the router documents"
+    if saved is not None:
+        stale = stale_window_policy(saved, once["name"])
+        f = window_policy_file(run, w)
+        if stale is None:
+            return saved | {"source": str(f)}
+        why += f": {f} {stale}"
+    return choose_window_policy(run, shards, router, w, r, once, progress) | {"source": why}
+
+
+def choose_window_policy(run: Run, shards: ShardSet, router: BaseRouter, w: int, r: int, once: dict,
+                         progress: bool = True) -> dict:
+    """The every-W rule among those that need no fitting (stay, the shard router, the lagged loss), chosen on every
+    chunk of the router documents (never the validation or held-out ones: the module docstring says why)."""
+    ids = router_tokens(shards, run.config.eval.max_tokens_per_doc)
+    scorer = Scorer(run, ids, run.config.eval.batch_size, progress)
+    chunk_nll = all_chunk_nll(scorer, run.grid.paths, r, chunk_cuts(ids, run.config.eval.context_tokens, w))
+    routes = route_once(run, router, scorer, ids, r, once)
+    return window_policy_from_losses(run, shards, router, w, r, once, ids, chunk_nll, routes)
+
+
+def window_policy_from_losses(run: Run, shards: ShardSet, router: BaseRouter, w: int, r: int, once: dict,
+                              ids: list[list[int]], chunk_nll: list[np.ndarray], routes: list[str],
+                              window_router: BaseRouter | None = None, window_logits: np.ndarray | None = None) -> dict:
+    """Every candidate rule scored on every chunk of the router documents ``ids`` (``chunk_nll``: every path's loss on
+    each; ``routes``: each document's path by the once rule ``once``, for chunk 0 and "stay"); the best, as saved in
+    policy.json. The window-router rules need the fitted ``window_router`` and, since it was fitted on these documents,
+    its out-of-fold ``window_logits``. ``router``: the shard router."""
+    context = run.config.eval.context_tokens
+    rules = candidates(w, router.input.tokens, window_router is not None)
+    out = pick_window_rule(rules, chunk_cuts(ids, context, w), routes, ids, run.grid.paths, chunk_nll, router,
+                           window_router, window_logits)
+    if not ids:  # stay, as with any too-small sample; say why
+        out["reason"] = out["one_path"]["reason"] = (f"{shards.root} keeps no router documents to choose on (re-shard "
+                                                     f"with data.router_fraction > 0)")
+    return out | {"window": w, "round": r, "split": "router_docs", "documents": len(ids), "once_rule": once["name"]}
 
 
 def _ppl(nll: float, tokens: int) -> float:

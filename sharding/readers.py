@@ -51,12 +51,14 @@ class _Lines:
     ``last_invalid``); the caller decides what that means for its records.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, start: int = 0, end: int | None = None):
         self.path, self.number, self.invalid, self.last_invalid = path, 0, 0, 0
         self.gz = path.suffix.lower() == ".gz"
+        self.start, self.end = start, end  # a byte range of lines (plain files only: sharding.plan cuts it at newlines)
 
     def _open(self):
-        return gzip.open(self.path, "rb") if self.gz else open(self.path, "rb")
+        raw = open_binary(self.path)
+        return gzip.GzipFile(fileobj=raw, mode="rb") if self.gz else raw
 
     def read_all(self) -> bytes:
         try:
@@ -68,8 +70,13 @@ class _Lines:
     def __iter__(self) -> Iterator[str]:
         try:
             with self._open() as fh:
-                first = True
+                first, pos = True, self.start
+                if self.start:
+                    fh.seek(self.start)
                 for raw in fh:
+                    if self.end is not None and pos >= self.end:
+                        return
+                    pos += len(raw)
                     self.number += 1
                     if first:
                         raw = raw.removeprefix(codecs.BOM_UTF8)
@@ -87,6 +94,31 @@ class _Lines:
                         yield raw.decode("utf-8", errors="replace")
         except (OSError, EOFError, zlib.error) as exc:
             raise _read_error(self.path, exc) from None
+
+
+class RemoteFile:
+    """An fsspec URL (s3://, gs://, ...) standing where readers take a local Path: its name, suffixes and bytes."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.name = url.rstrip("/").rsplit("/", 1)[-1]
+        self.suffixes = ["." + s for s in self.name.split(".")[1:]]
+        self.suffix = self.suffixes[-1] if self.suffixes else ""
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __fspath__(self) -> str:  # pyarrow and others accept any os.PathLike; they get the URL
+        return self.url
+
+
+def open_binary(path):
+    """A local file or an fsspec URL, opened for binary reading."""
+    if isinstance(path, RemoteFile):
+        import fsspec
+
+        return fsspec.open(path.url, "rb").open()
+    return open(path, "rb")
 
 
 def _read_error(path: Path, exc: BaseException) -> DipacoError:
@@ -147,14 +179,19 @@ def _rows_json_array(path: Path, column: str, label_column: str, lines: _Lines, 
     check.finish()
 
 
-def _rows_json(path: Path, column: str, label_column: str, stats: dict | None = None) -> Iterator[tuple[object, object]]:
-    lines, check = _Lines(path), _Utf8Check(path, stats)
+def _rows_json(path: Path, column: str, label_column: str, stats: dict | None = None, start: int = 0,
+               end: int | None = None) -> Iterator[tuple[object, object]]:
+    """JSON lines (or a JSON array); ``start``/``end``: only the lines that begin in this byte range (line
+    numbers in messages then count from the range's first line, which the message names by its byte)."""
+    lines, check = _Lines(path, start, end), _Utf8Check(path, stats)
+    if start:
+        path = f"{path} (the range from byte {start})"
     first = True
     for line in lines:
         number = lines.number
         if not line.strip():
             continue
-        if first and line.lstrip().startswith("["):  # a .json file holding one array: read it whole
+        if first and not start and line.lstrip().startswith("["):  # a .json file holding one array: read it whole
             yield from _rows_json_array(path, column, label_column, lines, check)
             return
         try:
@@ -192,18 +229,18 @@ def _rows_csv(path: Path, column: str, label_column: str, stats: dict | None = N
 
 
 def _rows_parquet(path: Path, column: str, label_column: str, stats: dict | None = None,
-                  batch: int = 1024) -> Iterator[tuple[object, object]]:
+                  row_groups: list[int] | None = None, batch: int = 1024) -> Iterator[tuple[object, object]]:
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(open_binary(path) if isinstance(path, RemoteFile) else path)
     except Exception as exc:  # pyarrow raises several types for a damaged file
         raise DipacoError(f"cannot read {path} as parquet ({str(exc).splitlines()[0][:200]}); fix or remove the bad file") from None
     names = pf.schema_arrow.names
     if column not in names:
         raise missing_column(path, column, names)
     columns = [column] + ([label_column] if label_column in names and label_column != column else [])
-    batches = pf.iter_batches(batch_size=batch, columns=columns)
+    batches = pf.iter_batches(batch_size=batch, columns=columns, row_groups=row_groups)
     while True:
         try:
             record_batch = next(batches, None)

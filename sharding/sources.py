@@ -18,7 +18,7 @@ from typing import Iterator
 
 from dipaco.errors import DipacoError
 from dipaco.io import sha256_dir, sha256_file
-from dipaco.sharding.readers import READERS, missing_column
+from dipaco.sharding.readers import READERS, RemoteFile, missing_column
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text",
             ".md": "text", ".rst": "text", ".text": "text"}
@@ -49,6 +49,13 @@ def expand_inputs(specs: list[str], skipped: list[Path] | None = None) -> tuple[
     by_format: dict[str, list[Path]] = {}
     hub: list[str] = []
     for spec in specs:
+        if "://" in spec:  # s3://, gs://, ... through fsspec
+            for f in remote_files(spec):
+                if _format_of(f):
+                    by_format.setdefault(_format_of(f), []).append(f)
+                elif skipped is not None:
+                    skipped.append(f)
+            continue
         path = Path(spec)
         if path.is_dir() and saved_dataset(path):
             by_format.setdefault("saved", []).append(path)
@@ -79,6 +86,37 @@ def expand_inputs(specs: list[str], skipped: list[Path] | None = None) -> tuple[
     return by_format, hub
 
 
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+
+
+def remote_files(spec: str) -> list[RemoteFile]:
+    """The files an fsspec URL names: one object, every object under a prefix, or a glob's matches."""
+    import fsspec
+
+    protocol = spec.split("://", 1)[0]
+    try:
+        fs, root = fsspec.core.url_to_fs(spec)
+    except (ImportError, ValueError) as exc:  # fsspec: ImportError for a missing backend, ValueError for an unknown one
+        extra = _EXTRAS.get(protocol)
+        fix = f"install the {extra} extra: pip install 'dipaco[{extra}]'" if extra else f"install the fsspec backend for {protocol}://"
+        raise DipacoError(f"input {spec}: reading {protocol}:// needs a library that is not installed ({exc}); {fix}") from None
+    try:
+        if glob.has_magic(root):
+            found = sorted(fs.glob(root))
+        elif fs.isdir(root):
+            found = sorted(fs.find(root))
+        elif fs.exists(root):
+            found = [root]
+        else:
+            found = []
+    except Exception as exc:  # network, credentials, permissions: every backend raises its own types
+        raise DipacoError(f"cannot list input {spec} ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                          f"check the URL and your credentials") from None
+    if not found:
+        raise DipacoError(f"input {spec} does not exist (no object at that URL); pass existing objects or prefixes to --data")
+    return [RemoteFile(fs.unstrip_protocol(p)) for p in found]
+
+
 def _looks_like_hub_name(spec: str) -> bool:
     """``owner/name``. When ``owner`` is a local directory it is a mistyped local path, not tried on the hub
     (that only costs the user half a minute of retries before the same error)."""
@@ -103,8 +141,10 @@ def _rows_hub(name: str, split: str, column: str, label_column: str) -> Iterator
         yield row.get(column), row.get(label_column)
 
 
-def _rows_saved(path: Path, split: str, column: str, label_column: str) -> Iterator[tuple[object, object]]:
-    """Rows of a ``save_to_disk`` directory, read with ``datasets.load_from_disk`` (memory-mapped, streamed)."""
+def _rows_saved(path: Path, split: str, column: str, label_column: str,
+                rows: tuple[int, int] | None = None) -> Iterator[tuple[object, object]]:
+    """Rows of a ``save_to_disk`` directory, read with ``datasets.load_from_disk`` (memory-mapped, streamed);
+    ``rows``: only rows [start, end)."""
     import datasets
 
     try:
@@ -119,6 +159,8 @@ def _rows_saved(path: Path, split: str, column: str, label_column: str) -> Itera
     if column not in ds.column_names:
         raise missing_column(path, column, ds.column_names)
     cols = [c for c in (column, label_column) if c in ds.column_names]
+    if rows is not None:
+        ds = ds.select(range(*rows))
     for batch in ds.select_columns(cols).iter(batch_size=1000):
         yield from zip(batch[column], batch.get(label_column) or [None] * len(batch[column]))
 
@@ -144,11 +186,23 @@ def describe_inputs(specs: list[str], split: str = "train", skipped: list[Path] 
     """Size and content hash of every input file (hub datasets: name and split); files of the input
     directories that are not read (no known extension) are appended to ``skipped``."""
     by_format, hub = expand_inputs(specs, skipped)
-    out = [{"path": str(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)} if fmt != "saved" else
+    out = [_describe_remote(f) if isinstance(f, RemoteFile) else
+           {"path": str(f), "bytes": f.stat().st_size, "sha256": sha256_file(f)} if fmt != "saved" else
            {"path": str(f), "saved_dataset": True, "bytes": sum(p.stat().st_size for p in f.rglob("*") if p.is_file()),
             "sha256": sha256_dir(f)}
            for fmt in by_format for f in by_format[fmt]]
     return out + [{"dataset": name, "split": split} for name in hub]
+
+
+def _describe_remote(f: RemoteFile) -> dict:
+    """An object in a bucket is named by its size and ETag (reading it whole in the driver would cost what
+    the stage's workers save)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(f.url)
+    info = fs.info(root)
+    return {"path": f.url, "bytes": int(info.get("size") or 0),
+            "etag": str(info.get("ETag") or info.get("etag") or info.get("md5Hash") or "")}
 
 
 DROP_REASONS = ("missing_text", "not_text", "binary", "too_short", "duplicate")

@@ -1,91 +1,97 @@
 """The shard stage: documents -> tokenizer -> router -> one token shard per path (the format: dipaco.shards).
 
-Two streaming passes keep memory bounded however large the corpus grows:
+Plan, blocks, merge (``sharding.plan``, ``.scan``, ``.parts``), on any engine (``sharding.engines``):
 
-1. read every record once: filter, drop exact duplicates (the first copy in the corpus's order is
-   kept), and collect what the caps and the fits need, all decided by the document itself
-   (``sharding.decisions``): its role (held-out, router document, training) from a keyed hash of its
-   digest, and the fit sample as the bottom-k of another (each text cut to ``SAMPLE_CHARS``). The
-   tokenizer and the router are fitted on that sample, the router on ``DECISION_THREADS`` threads.
-2. read the records again and, batch by batch, tokenize them (the tokenizer's Rust thread pool,
-   ``num_proc`` threads), route every document by its decoded first ``routing.prefix_tokens`` tokens
-   (the router's one input, the same eval and generate use; the nearest path, with the ``--balance``
-   offsets the router carries; ``--overlap`` copies) and append the tokens and document offsets to
-   the per-path files.
+1. plan: the corpus cut into blocks in one global order (files, parquet row groups, byte ranges of big
+   JSON-lines files);
+2. pass 1, a task per block (``scan.scan_block``): filter, digest, each document's candidate role, the
+   block's bottom-k of the fit sample. Then one global step (``scan.join``): exact dedup over all blocks
+   (the first copy in the global order wins), the roles' caps, the fit sample, the counts;
+3. the fits, once, in the driver: the tokenizer and the router (on ``DECISION_THREADS`` threads);
+4. pass 2, a task per block (``parts.part_block``): tokenize, route by the decoded first
+   ``routing.prefix_tokens`` tokens (with the ``--balance`` offsets the router carries; ``--overlap``
+   copies), write the block's part;
+5. merge: the parts appended in block order, offsets rebased, the manifest written.
 
-The files and the manifest are written through ``dipaco.shards.ShardWriter``, the format's one writer.
-Everything is written under a temporary directory renamed into place at the end (``atomic_dir``), so a
-failure leaves nothing behind. Same inputs and seed give a byte-identical directory (manifest
-timestamps aside).
+Every per-document decision is a function of the document, the seed and the fitted router
+(``sharding.decisions``), so one process, N local processes and Ray on many nodes write a byte-identical
+shard directory (manifest timings, thread and worker counts aside). Passes and fits commit into a work
+directory beside ``out`` (``.<out>.work``): a driver killed mid-stage is resumed with ``resume=True``
+(``--resume``), which reuses every committed part whose fingerprint matches and refuses one that does not.
+The shard directory itself is written under a temporary name and renamed into place (``atomic_dir``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 import dipaco
 from dipaco.config import ShardConfig, to_dict, to_toml
 from dipaco.errors import DipacoError
 from dipaco.grid import parse_grid
+from dipaco.io import sha256_dir
 from dipaco.outputs import atomic_dir, check_out_dir
 from dipaco.routing import Router
 from dipaco.routing.fit import fit_router
 from dipaco.shards import ShardWriter, read_docs
-from dipaco.routing.base import top_paths
-from dipaco.sharding.decisions import HELDOUT, ROUTER, TRAIN, BottomK, Roles, digest, keys
-from dipaco.sharding.sources import DocumentFilter, describe_inputs, iter_rows
+from dipaco.sharding.engines import make_engine
+from dipaco.sharding.parts import Fits, part_block
+from dipaco.sharding.plan import make_plan, settings_key
+from dipaco.sharding.scan import commit, join, peak_rss_mb, read_meta, scan_block, temp_dir
+from dipaco.sharding.sources import describe_inputs
 from dipaco.sharding.threads import decision_threads, set_num_proc
-from dipaco.sharding.tokenizer import encode, load_tokenizer, tokenizer_sha256, train_tokenizer
+from dipaco.sharding.tokenizer import load_tokenizer, tokenizer_sha256, train_tokenizer
 
-SAMPLE_CHARS = 4096  # a sampled document keeps this many characters (tokenizer training, router fit)
+WORK_MARK = "work.json"
 
 
-def scan(inputs: list[str], cfg: ShardConfig, progress: bool = True) -> dict:
-    """Pass 1: drop counts, the caps of the held-out and router candidates, and the fit sample (the
-    ``routing.fit_sample`` training documents of smallest sample key, each cut to ``SAMPLE_CHARS``)."""
-    d = cfg.data
-    filt = DocumentFilter(d.min_chars, d.max_chars, dedup=False)
-    rule = Roles(d.heldout_fraction, d.router_fraction, d.val_fraction)
-    aside = {HELDOUT: BottomK(d.max_heldout_docs, d.dedup), ROUTER: BottomK(d.max_router_docs, d.dedup)}
-    candidates = {HELDOUT: 0, ROUTER: 0}
-    sample = BottomK(cfg.routing.fit_sample, d.dedup)
-    seen: set[bytes] = set()
-    documents, read = 0, {"invalid_utf8": 0}
-    bar = tqdm(desc="scan", unit="doc", disable=not progress, dynamic_ncols=True)
-    for text, _ in iter_rows(inputs, d.text_column, d.label_column, d.split, stats=read):
-        text = filt(text)
-        bar.update(1)
-        if text is None:
+class ResumeRefused(DipacoError):
+    """--resume met work made under another fingerprint: refused, and the work is left as it was."""
+
+
+def _sha(*items) -> str:
+    return hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()
+
+
+def work_dir(out: Path, settings: str, resume: bool) -> Path:
+    """``.<out>.work`` beside ``out``: kept when ``resume``, else started afresh (only one dipaco made)."""
+    work = out.parent / f".{out.name}.work"
+    if work.exists():
+        if read_meta_file(work / WORK_MARK) is None:
+            raise DipacoError(f"{work} exists and dipaco did not write it; move it away (dipaco keeps its shard work there)")
+        if not resume:
+            shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / WORK_MARK).write_text(json.dumps({"kind": "dipaco shard work", "settings": settings}))
+    return work
+
+
+def read_meta_file(f: Path) -> dict | None:
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_committed(work: Path, folder: str, expected: dict[str, str]) -> int:
+    """--resume: the committed parts of ``folder`` that will be reused; one whose fingerprint differs (or
+    whose block the plan no longer has) is refused in one line."""
+    reused = 0
+    for part in sorted((work / folder).glob("[0-9]*")):
+        meta = read_meta(part)
+        if meta is None:
             continue
-        key = digest(text)
-        if d.dedup:
-            if key in seen:
-                filt.dropped["duplicate"] += 1
-                continue
-            seen.add(key)
-        documents += 1
-        role_key, _, sample_key = keys(key, cfg.seed)
-        wanted = rule.candidate(role_key)
-        if wanted == TRAIN:
-            sample.offer(sample_key, text[:SAMPLE_CHARS])
-        else:
-            aside[wanted].offer(role_key)
-            candidates[wanted] += 1
-    bar.close()
-    del seen
-    rule.fit(aside[HELDOUT], aside[ROUTER])
-    if documents == 0:
-        raise DipacoError(f"no usable documents in {', '.join(inputs)} (dropped: {filt.report()}); "
-                          f"check --text-column and --min-chars")
-    heldout, router = (min(candidates[r], max(0, aside[r].k)) for r in (HELDOUT, ROUTER))
-    return {"roles": rule, "sample": [text for _, text in sample.result()], "dropped": filt.report(),
-            "counts": {"documents": documents, "train": documents - heldout - router},
-            "invalid_utf8": read["invalid_utf8"]}
+        if meta.get("fingerprint") != expected.get(part.name):
+            raise ResumeRefused(f"--resume: {part} was made from other inputs, config or seed than this command's "
+                              f"({meta.get('block', '?')}); rerun without --resume to start over")
+        reused += 1
+    return reused
 
 
 def tokenizer_texts(sample: list[str], limit_chars: int) -> list[str]:
@@ -99,6 +105,149 @@ def tokenizer_texts(sample: list[str], limit_chars: int) -> list[str]:
     return out
 
 
+def fit_step(work: Path, scanned: dict, cfg: ShardConfig, tokenizer_dir: str | None, fingerprint: str,
+             progress: bool) -> tuple[Fits, dict]:
+    """The tokenizer and the router, fitted once on the sample and committed to ``work/fits`` (reused on resume)."""
+    final = work / "fits"
+    meta = read_meta(final)
+    if meta is not None and meta["fingerprint"] != fingerprint:
+        raise ResumeRefused(f"--resume: {final} was fitted for other inputs, config or seed than this command's; "
+                          f"rerun without --resume to start over")
+    if meta is None:
+        began = time.perf_counter()
+        tmp = temp_dir(final)
+        tok = load_tokenizer(tokenizer_dir) if tokenizer_dir else train_tokenizer(
+            tokenizer_texts(scanned["sample"], cfg.tokenizer.train_chars), cfg.tokenizer.vocab_size)
+        tok.save_pretrained(str(tmp / "tokenizer"))
+        t_tok = time.perf_counter() - began
+        with decision_threads():
+            router = fit_router(scanned["sample"], cfg.grid, tok, cfg.seed, progress, cfg=cfg.routing)
+        router.save(tmp / "router")
+        vocab_size = len(tok)
+        meta = {"fingerprint": fingerprint, "vocab_size": vocab_size, "eos": tok.eos_token_id, "paths": router.paths,
+                "dtype": np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max else np.uint32).name,
+                "timing": {"tokenizer": round(t_tok, 2), "router": round(time.perf_counter() - began - t_tok, 2)}}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        commit(tmp, final)
+    return Fits(str(final), scanned["roles"], meta["dtype"]), meta
+
+
+def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: str | None = None,
+          overwrite: bool = False, progress: bool = True, engine: str = "local", address: str = "",
+          resume: bool = False, max_retries: int = 3) -> dict:
+    """Write the shard directory ``out``; returns its manifest. ``engine``: 'local' (``cfg.num_proc`` processes
+    of this machine) or 'ray' (the cluster at ``address``, or a local Ray); ``resume``: reuse the committed
+    work of a killed run of the same command."""
+    began = time.perf_counter()
+    shape = parse_grid(cfg.grid)
+    # before any work: --out is not an input, and an existing one is a shard directory (replaced with --overwrite)
+    out = check_out_dir(out, "shards", inputs={"--data": list(inputs), "--tokenizer": tokenizer_dir,
+                                               "--feature-model": cfg.routing.feature_model}, overwrite=overwrite)
+    threads = set_num_proc(cfg.num_proc)
+    num_paths = int(np.prod(shape))
+    blocks = make_plan(list(inputs), cfg)
+    settings = settings_key(cfg, tokenizer_sha256(tokenizer_dir) if tokenizer_dir else None)
+    fps = {b.name: b.fingerprint(settings) for b in blocks}
+    work = work_dir(out, settings, resume)
+    runner = None
+    try:
+        reused = check_committed(work, "scan", fps) if resume else 0
+        runner = make_engine(engine, cfg.num_proc, address, len(blocks), max_retries, progress)
+        metas = runner.run(scan_block, [(b, cfg, str(work), fps[b.name]) for b in blocks], "scan")
+        scanned = join(str(work), blocks, metas, cfg, runner.run)
+        counts = scanned["counts"]
+        if counts["documents"] == 0:
+            raise DipacoError(f"no usable documents in {', '.join(map(str, inputs))} (dropped: {scanned['dropped']}); "
+                              f"check --text-column and --min-chars")
+        if counts["train"] < num_paths:
+            raise DipacoError(f"{counts['train']} training documents cannot fill {num_paths} paths; add data or use a smaller --grid")
+        t_scan = time.perf_counter() - began
+        fits, fitted = fit_step(work, scanned, cfg, tokenizer_dir, _sha(settings, sorted(fps.values())), progress)
+        del scanned["sample"]
+        t_fit = time.perf_counter() - began
+        sums = _sha(tokenizer_sha256(Path(fits.root) / "tokenizer"), sha256_dir(Path(fits.root) / "router"))
+        part_fps = {name: _sha(fp, sums) for name, fp in fps.items()}
+        reused += check_committed(work, "parts", part_fps) if resume else 0
+        parts = runner.run(part_block, [(b, cfg, str(work), fits, part_fps[b.name], scanned["dups"].get(b.name, []))
+                                        for b in blocks], "tokenize+route+write")
+        t_write = time.perf_counter() - began
+        execution = {**runner.describe(), "blocks": len(blocks), "reused_parts": reused, "peak_rss_mb": {
+            "driver": peak_rss_mb(), "scan_worker": max(m["peak_rss_mb"] for m in metas),
+            "dedup_worker": scanned["dedup_peak_rss_mb"], "write_worker": max(m["peak_rss_mb"] for m in parts)}}
+        skipped_files: list[Path] = []  # one walk of the input directories gives both
+        input_info = describe_inputs(list(inputs), cfg.data.split, skipped_files)
+        manifest = merge(work, out, overwrite, blocks, parts, fits, fitted, scanned, cfg, tokenizer_dir, {
+            "inputs": input_info, "skipped": [str(f) for f in skipped_files], "threads": threads, "began": began,
+            "timing": {"scan": round(t_scan, 2), **fitted["timing"], "write": round(t_write - t_fit, 2)},
+            "execution": execution})
+    except Exception as exc:
+        if not isinstance(exc, ResumeRefused):  # a bad input or a failed task: nothing worth resuming
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    finally:
+        if runner is not None:
+            runner.close()
+    shutil.rmtree(work, ignore_errors=True)
+    return manifest
+
+
+def merge(work: Path, out: Path, overwrite: bool, blocks, parts: list[dict], fits: Fits, fitted: dict, scanned: dict,
+          cfg: ShardConfig, tokenizer_dir: str | None, info: dict) -> dict:
+    """Append the parts in block order into the shard directory ``out`` and write its manifest."""
+    r, counts, paths = cfg.routing, scanned["counts"], fitted["paths"]
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        shutil.copytree(Path(fits.root) / "tokenizer", tmp / "tokenizer")
+        shutil.copytree(Path(fits.root) / "router", tmp / "router")
+        writer = ShardWriter(tmp, paths, np.dtype(fitted["dtype"]), fitted["eos"])
+        written = {"1": 0, "2": 0, "3": 0}
+        primary = np.zeros(len(paths), dtype=np.int64)
+        copies = 0
+        try:
+            for b, meta in zip(blocks, parts):
+                writer.append_part(work / "parts" / b.name, meta["stats"], meta["labels"])
+                for k, v in meta["written"].items():
+                    written[k] += v
+                primary += meta["primary"]
+                copies += meta["overlap_copies"]
+        finally:
+            writer.close()
+        counts.update(train=written["1"], heldout=written["2"], router=written["3"])
+        stats, labels = writer.stats, writer.labels
+        empty = [p for p, st in stats.items() if st["train_docs"] == 0]
+        if empty:  # training refuses a path without data; say so now, not after the user has trained the others
+            raise DipacoError(f"{len(empty)} of {len(paths)} paths got no training documents (e.g. {', '.join(empty[:3])}): "
+                              f"{counts['train']} training documents do not spread over grid {cfg.grid}; "
+                              f"use a smaller --grid, --balance, or more data")
+        sealed = writer.seal(tokenizer_sha256(tmp / "tokenizer"))
+        dropped, skipped = scanned["dropped"], info["skipped"]
+        manifest = writer.write_manifest({
+            "grid": cfg.grid, "paths": stats,
+            "labels_per_path": labels, "token_dtype": fitted["dtype"], "vocab_size": fitted["vocab_size"],
+            "eos_token_id": fitted["eos"], "documents": counts["documents"], "train_documents": counts["train"],
+            "heldout_documents": counts["heldout"], "router_documents": counts["router"],
+            "tokens": writer.tokens,
+            "dropped": {k: v for k, v in dropped.items() if k != "truncated"},
+            "truncated": dropped["truncated"], "invalid_utf8": scanned["invalid_utf8"],
+            "inputs": info["inputs"],
+            # files in the input directories that were not read (no known extension), so none goes unnoticed
+            "skipped_files": {"count": len(skipped), "examples": skipped[:5]},
+            "path_sizes": histogram(writer.documents()),
+            "assignment": {"assign": r.assign, "cluster_on": r.cluster_on, "prefix_tokens": r.prefix_tokens,
+                           "balance": r.balance, "shares": shares(primary, r.balance),
+                           "overlap": r.overlap, "overlap_copies": copies},
+            "route_agreement": route_agreement(tmp),
+            "purity": {"train": purity(labels)["overall"], "heldout": heldout_purity(tmp)},
+            "tokenizer": {"source": str(tokenizer_dir) if tokenizer_dir else "trained", "sha256": sealed.tokenizer_sha256},
+            "router": {"sha256": sealed.router_sha256, "fit_documents": min(r.fit_sample, counts["train"]), **sealed.router},
+            "fingerprint": sealed.fingerprint, "config": to_dict(cfg),
+            "versions": {"dipaco": dipaco.__version__}, "threads": info["threads"],
+            "seconds": round(time.perf_counter() - info["began"], 2), "timing": info["timing"],
+            "execution": info["execution"],
+        })
+        (tmp / "config.toml").write_text(to_toml(cfg))
+    return manifest
+
+
 def histogram(sizes: list[int], bins: int = 10) -> dict:
     """Summary and histogram of path sizes (documents per path)."""
     a = np.asarray(sizes, dtype=np.float64)
@@ -110,147 +259,6 @@ def histogram(sizes: list[int], bins: int = 10) -> dict:
             "max_over_mean": round(float(a.max()) / mean, 3) if mean else None,
             "cv": round(float(a.std()) / mean, 3) if mean else None,
             "bins": [round(float(e), 1) for e in edges], "counts": counts.tolist()}
-
-
-def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: str | None = None,
-          overwrite: bool = False, progress: bool = True) -> dict:
-    """Write the shard directory ``out``; returns its manifest."""
-    began = time.perf_counter()
-    shape = parse_grid(cfg.grid)
-    # before any work: --out is not an input, and an existing one is a shard directory (replaced with --overwrite)
-    out = check_out_dir(out, "shards", inputs={"--data": list(inputs), "--tokenizer": tokenizer_dir,
-                                               "--feature-model": cfg.routing.feature_model}, overwrite=overwrite)
-    threads = set_num_proc(cfg.num_proc)
-    num_paths = int(np.prod(shape))
-    d, r = cfg.data, cfg.routing
-
-    scanned = scan(inputs, cfg, progress)
-    counts, roles, sample = scanned["counts"], scanned["roles"], scanned["sample"]
-    if counts["train"] < num_paths:
-        raise DipacoError(f"{counts['train']} training documents cannot fill {num_paths} paths; add data or use a smaller --grid")
-    skipped_files: list[Path] = []  # one walk of the input directories gives both
-    input_info = describe_inputs(inputs, d.split, skipped_files)
-    skipped = [str(f) for f in skipped_files]
-    t_scan = time.perf_counter() - began
-
-    with atomic_dir(out, overwrite=overwrite) as tmp:
-        tok = load_tokenizer(tokenizer_dir) if tokenizer_dir else train_tokenizer(
-            tokenizer_texts(sample, cfg.tokenizer.train_chars), cfg.tokenizer.vocab_size)
-        tok.save_pretrained(str(tmp / "tokenizer"))
-        vocab_size, eos = len(tok), tok.eos_token_id
-        dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max else np.uint32
-        t_tok = time.perf_counter() - began
-
-        with decision_threads():
-            router = fit_router(sample, cfg.grid, tok, cfg.seed, progress, cfg=cfg.routing)
-        router.save(tmp / "router")
-        paths = router.paths
-        del sample
-        t_router = time.perf_counter() - began
-
-        writer = ShardWriter(tmp, paths, dtype, eos)
-        filt = DocumentFilter(d.min_chars, d.max_chars, dedup=False)
-        seen: set[bytes] = set()
-        written = {HELDOUT: 0, ROUTER: 0, TRAIN: 0}
-        primary = np.zeros(len(paths), dtype=np.int64)  # training documents per path, before overlap copies
-        overlap_copies = 0
-        bar = tqdm(total=counts["documents"], desc="tokenize+route+write", unit="doc", disable=not progress,
-                   dynamic_ncols=True)
-        batch: list[tuple[str, str | None, int, bool]] = []
-        # Tokenizing batch k (Rust, releases the GIL) overlaps with routing and writing batch k-1 (Python);
-        # batches are written strictly in order, so the output does not depend on timing. Every document is
-        # routed from its own tokens (the decoded prefix), exactly as eval and generate will route it.
-        pool = ThreadPoolExecutor(max_workers=1)
-        pending: list = []
-
-        def route_and_write():
-            nonlocal overlap_copies
-            if not pending:
-                return
-            future, rows = pending.pop()
-            ids = future.result()
-            with decision_threads():
-                dist = router.distances_of_ids(ids)
-            nearest = dist.argmin(axis=1)
-            top = top_paths(dist, nearest, max(1, r.overlap))
-            for i, (text, label, role, val) in enumerate(rows):
-                written[role] += 1
-                if role != TRAIN:
-                    writer.write_doc("heldout" if role == HELDOUT else "router_docs",
-                                     {"text": text, "label": label, "path": paths[int(nearest[i])]})
-                    continue
-                targets = top[i][:1] if val else top[i]
-                primary[targets[0]] += 1
-                overlap_copies += len(targets) - 1
-                writer.write(ids[i], [paths[j] for j in targets], "val" if val else "train", label)
-
-        def flush():
-            future = pool.submit(encode, tok, [row[0] for row in batch])
-            route_and_write()
-            pending.append((future, list(batch)))
-            bar.update(len(batch))
-            batch.clear()
-
-        try:
-            for text, label in iter_rows(inputs, d.text_column, d.label_column, d.split):
-                text = filt(text)
-                if text is None:
-                    continue
-                key = digest(text)
-                if d.dedup:
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                role_key, val_key, _ = keys(key, cfg.seed)
-                role = roles.role(role_key)
-                batch.append((text, None if label is None else str(label), role, role == TRAIN and roles.is_val(val_key)))
-                if len(batch) >= r.batch_size:
-                    flush()
-            if batch:
-                flush()
-            route_and_write()
-        finally:
-            pool.shutdown(wait=True)
-            bar.close()
-            writer.close()
-        del seen
-        counts.update(train=written[TRAIN], heldout=written[HELDOUT], router=written[ROUTER])
-        t_write = time.perf_counter() - began
-
-        stats, labels = writer.stats, writer.labels
-        empty = [p for p, st in stats.items() if st["train_docs"] == 0]
-        if empty:  # training refuses a path without data; say so now, not after the user has trained the others
-            raise DipacoError(f"{len(empty)} of {num_paths} paths got no training documents (e.g. {', '.join(empty[:3])}): "
-                              f"{counts['train']} training documents do not spread over grid {cfg.grid}; "
-                              f"use a smaller --grid, --balance, or more data")
-        sealed = writer.seal(tokenizer_sha256(tmp / "tokenizer"))
-        manifest = writer.write_manifest({
-            "grid": cfg.grid, "paths": stats,
-            "labels_per_path": labels, "token_dtype": np.dtype(dtype).name, "vocab_size": vocab_size,
-            "eos_token_id": eos, "documents": counts["documents"], "train_documents": counts["train"],
-            "heldout_documents": counts["heldout"], "router_documents": counts["router"],
-            "tokens": writer.tokens,
-            "dropped": {k: v for k, v in scanned["dropped"].items() if k != "truncated"},
-            "truncated": scanned["dropped"]["truncated"], "invalid_utf8": scanned["invalid_utf8"],
-            "inputs": input_info,
-            # files in the input directories that were not read (no known extension), so none goes unnoticed
-            "skipped_files": {"count": len(skipped), "examples": skipped[:5]},
-            "path_sizes": histogram(writer.documents()),
-            "assignment": {"assign": r.assign, "cluster_on": r.cluster_on, "prefix_tokens": r.prefix_tokens,
-                           "balance": r.balance, "shares": shares(primary, r.balance),
-                           "overlap": r.overlap, "overlap_copies": overlap_copies},
-            "route_agreement": route_agreement(tmp),
-            "purity": {"train": purity(labels)["overall"], "heldout": heldout_purity(tmp)},
-            "tokenizer": {"source": str(tokenizer_dir) if tokenizer_dir else "trained", "sha256": sealed.tokenizer_sha256},
-            "router": {"sha256": sealed.router_sha256, "fit_documents": min(r.fit_sample, counts["train"]), **sealed.router},
-            "fingerprint": sealed.fingerprint, "config": to_dict(cfg),
-            "versions": {"dipaco": dipaco.__version__}, "threads": threads,
-            "seconds": round(time.perf_counter() - began, 2),
-            "timing": {"scan": round(t_scan, 2), "tokenizer": round(t_tok - t_scan, 2),
-                       "router": round(t_router - t_tok, 2), "write": round(t_write - t_router, 2)},
-        })
-        (tmp / "config.toml").write_text(to_toml(cfg))
-    return manifest
 
 
 def shares(primary: np.ndarray, balance: float) -> dict:

@@ -86,3 +86,17 @@ def s3_server():
     server = start_s3_server()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local multi-node Ray cluster per test session: a head node and a worker node of 1 CPU each (two
+    machines, as Ray sees them, on localhost). The train engine's and the shard stage's Ray tests share it."""
+    pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    yield c
+    c.shutdown()

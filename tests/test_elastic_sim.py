@@ -79,3 +79,19 @@ def test_the_command_prints_a_table_and_writes_json_and_a_plot(capsys, tmp_path)
     assert "| workers |" in out and "task queue" in out and "synchronous" in out
     assert json.loads((tmp_path / "elastic.json").read_text())["rows"]
     assert (tmp_path / "elastic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sticky_trainees_read_their_state_from_the_worker_cache():
+    """With one worker per path and no preemption, every phase after a trainee's first reads no state from storage:
+    bytes per phase fall by the state's share; a preempted worker's cache is gone, so its trainees read it again."""
+    m = replace(BARE, paths_per_level=2, rounds=4, storage_mbit=1000.0, module_bytes=100e6, state_bytes=200e6,
+                payload_bytes=12.5e6)
+    plain, sticky = simulate_queue(m, 4, 0.0, seed=0), simulate_queue(replace(m, sticky=True), 4, 0.0, seed=0)
+    full = m.module_bytes + 2 * m.state_bytes + m.payload_bytes
+    assert plain["storage_bytes_per_phase"] == pytest.approx(full)
+    cached_phases = m.rounds - 1  # of every trainee's phases, all but the first hit the cache
+    expected = full - m.state_bytes * cached_phases / m.rounds
+    assert sticky["storage_bytes_per_phase"] == pytest.approx(expected)
+    assert sticky["wall_s"] < plain["wall_s"]  # the state's download is off every cached phase
+    lossy = simulate_queue(replace(m, sticky=True), 4, 20.0, seed=3)
+    assert expected < lossy["storage_bytes_per_phase"] <= full

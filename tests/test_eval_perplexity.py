@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from dipaco.errors import DipacoError
-from dipaco.eval.perplexity import (Scorer, early_stopping_rounds, evaluate, heldout_tokens, mixture_weights,
-                                    segments_of)
+from dipaco.eval.documents import heldout_tokens
+from dipaco.eval.early_stopping import early_stopping_rounds
+from dipaco.eval.perplexity import evaluate, mixture_weights
+from dipaco.eval.scorer import Scorer, segments_of
 from dipaco.eval.window_policy import Rule, chunk_cuts, decide
 from dipaco.run import Run
 from dipaco.scoring import document_nll

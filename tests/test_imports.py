@@ -3,9 +3,10 @@
 The rule is DESIGN.md's: `cli.py` and `quickstart.py` sit on top and call every stage; `sharding` and `eval`
 use `routing` and the core; `routing` uses the core; the core (everything in `dipaco/` but cli and
 quickstart) never imports a stage. One more edge is established and kept: eval reads the tokenizer through
-`dipaco.sharding.tokenizer` (eval/perplexity.py, eval/window_router.py), so eval stands above sharding and
-sharding never imports eval. And comm.py is the only file that imports torch.distributed, ray_engine.py the only one that
-imports ray.
+`dipaco.sharding.tokenizer` (eval/documents.py, eval/window_router.py), so eval stands above sharding and
+sharding never imports eval. And comm.py is the only file that imports torch.distributed; ray is imported in three:
+ray_cluster.py (connecting, and the local Ray kept to 127.0.0.1, for every engine that uses Ray), ray_engine.py (the
+training task queue) and ray_tasks.py (the shard stage's plain retried tasks).
 
 Every import counts, also one inside a function (a lazy import hides a circle from Python, not from a reader:
 `config.py` -> `streaming.py` -> `model.py` -> `config.py` was one); only imports under `if TYPE_CHECKING:`
@@ -180,10 +181,17 @@ def test_core_stands_on_at_most_six_floors():
     assert len(chain) <= 6, f"dipaco/ stands on {len(chain)} floors: {' -> '.join(chain)}; flatten that chain"
 
 
-def test_only_the_ray_engine_imports_ray():
-    """Ray is an optional extra: one file uses it, and nothing the main job runs imports that file at module level."""
+def test_ray_is_imported_in_three_files_only():
+    """Ray is an optional extra: ray_cluster.py connects (importing ray lazily, inside connect()), the train engine
+    (ray_engine.py) and the shard stage's plain retried tasks (ray_tasks.py: a core file, so the stage hands it
+    functions and it imports no stage) use it, and each engine is imported only by its one caller, for --engine ray."""
     _, raw = imports(modules())
     users = sorted(m for m, names in raw.items() if any(n == "ray" or n.startswith("ray.") for n in names))
-    assert users == ["dipaco.ray_engine"], users
+    assert users == ["dipaco.ray_cluster", "dipaco.ray_engine", "dipaco.ray_tasks"], users
     graph, _ = imports(modules())
     assert [m for m, ts in graph.items() if "dipaco.ray_engine" in ts] == ["dipaco.cli"]  # lazily, for --engine ray
+    assert [m for m, ts in graph.items() if "dipaco.ray_tasks" in ts] == ["dipaco.sharding.engines"]
+    tree = ast.parse((ROOT / "dipaco" / "ray_cluster.py").read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not any("ray" == getattr(n, "module", None) or any(a.name.split(".")[0] == "ray" for a in n.names)
+                   for n in top), "ray_cluster imports ray inside connect() only: importing it needs no Ray"

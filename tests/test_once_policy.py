@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dipaco.cli import main
-from dipaco.eval.once_policy import (MIN_DOCUMENTS, OnceRule, choose_once, decide_once, once_candidates, once_rule_of,
+from dipaco.eval.once_policy import (MIN_DOCUMENTS, OnceRule, decide_once, once_candidates, once_rule_of, pick_once_rule,
                                      router_log_prior)
 
 PATHS = ["0-0", "0-1", "1-0", "1-1"]
@@ -61,17 +61,17 @@ def test_choose_once_picks_the_lowest_and_keeps_the_shard_router_without_evidenc
     rules = once_candidates(_Router("kmeans"))
     body, prefix, shard = _documents(40, rng)
     prior = np.zeros((40, 4))
-    out = choose_once(rules, PATHS, shard, body, prefix, prior, tokens=40 * 100)
+    out = pick_once_rule(rules, PATHS, shard, body, prefix, prior, tokens=40 * 100)
     assert out["name"] in ("prefix-loss", "prefix-loss + router prior") and "lowest perplexity on 40" in out["reason"]
     ppl = out["router_documents"]
     assert ppl[out["name"]] < ppl["shard-router"] and out["oracle"] <= min(ppl.values())
     assert out["picks_oracle_path"]["prefix-loss"] == 1.0 and out["picks_oracle_path"]["shard-router"] == 0.5
     # ties go to the shard router: with an uninformative prefix every rule picks the shard router's path
-    tie = choose_once(rules, PATHS, shard, body, np.zeros_like(prefix), prior, tokens=4000)
+    tie = pick_once_rule(rules, PATHS, shard, body, np.zeros_like(prefix), prior, tokens=4000)
     assert tie["name"] == "shard-router" and "no rule beat" in tie["reason"]
     # too few router documents to trust another rule, however good it looks
     few = MIN_DOCUMENTS - 1
-    small = choose_once(rules, PATHS, shard[:few], body[:few], prefix[:few], prior[:few], tokens=few * 100)
+    small = pick_once_rule(rules, PATHS, shard[:few], body[:few], prefix[:few], prior[:few], tokens=few * 100)
     assert small["name"] == "shard-router" and f"only {few} router documents" in small["reason"]
     assert small["router_documents"]["prefix-loss"] < small["router_documents"]["shard-router"]
 
@@ -108,7 +108,7 @@ def _prefix_nll_by_hand(run, ids, context):
 @pytest.mark.slow
 def test_choose_routing_reads_only_router_documents_and_eval_and_generate_follow_it(run_copy, shards_2x2, monkeypatch,
                                                                                      capsys):
-    from dipaco.eval import perplexity
+    from dipaco.eval import documents, perplexity
     from dipaco.eval.api import load
     from dipaco.eval.generate import generate
     from dipaco.run import Run
@@ -118,8 +118,8 @@ def test_choose_routing_reads_only_router_documents_and_eval_and_generate_follow
         raise AssertionError("the once rule must be chosen without the held-out or validation documents")
 
     with monkeypatch.context() as m:
-        m.setattr(perplexity, "heldout_tokens", forbidden)
-        m.setattr(perplexity, "validation_tokens", forbidden)
+        m.setattr(documents, "heldout_tokens", forbidden)
+        m.setattr(documents, "validation_tokens", forbidden)
         assert main(["choose-routing", "--run", str(run_copy), "--shards", str(shards_2x2), "--quiet"]) == 0
     saved = json.loads((run_copy / "routing" / "once.json").read_text())
     assert saved["split"] == "router_docs" and "routing once uses" in capsys.readouterr().out
@@ -133,7 +133,7 @@ def test_choose_routing_reads_only_router_documents_and_eval_and_generate_follow
     forced = saved | {"chosen": OnceRule("prefix-loss").to_dict(), "name": "prefix-loss", "reason": "forced by the test"}
     (run_copy / "routing" / "once.json").write_text(json.dumps(forced))
     run, shards = Run(run_copy), ShardSet(shards_2x2)
-    _, ids = perplexity.heldout_tokens(shards, run.config.eval.max_tokens_per_doc)
+    _, ids = documents.heldout_tokens(shards, run.config.eval.max_tokens_per_doc)
     # an every-W rule chosen while routing once was another rule is chosen again (its "stay" was another path)
     stale = run_copy / "window_routers" / "w1000000"
     stale.mkdir(parents=True)
@@ -169,13 +169,13 @@ def test_without_a_saved_rule_eval_and_generate_route_every_document_alike(tmp_p
     command routing by another rule than eval's would send documents elsewhere."""
     from collections import Counter
 
-    from dipaco.eval import perplexity
+    from dipaco.eval import documents, once_policy, perplexity
     from dipaco.eval.api import load
     from dipaco.run import Run
     from dipaco.shards import ShardSet
 
-    real = perplexity.choose_once
-    monkeypatch.setattr(perplexity, "choose_once", lambda *a: real(*a) | {
+    real = once_policy.pick_once_rule
+    monkeypatch.setattr(once_policy, "pick_once_rule", lambda *a: real(*a) | {
         "chosen": OnceRule("prefix-loss").to_dict(), "name": "prefix-loss", "reason": "forced by the test"})
     first_eval, first_generate = (_fresh_copy(tmp_path_factory, shards_2x2, n) for n in ("eval-first", "generate-first"))
 
@@ -185,7 +185,7 @@ def test_without_a_saved_rule_eval_and_generate_route_every_document_alike(tmp_p
     assert saved["name"] == routed["once_policy"]["name"] == "prefix-loss" and routed["once_policy"]["chosen_now"]
     run, shards = Run(first_eval), ShardSet(shards_2x2)
     docs = [d["text"] for d in shards.heldout()]
-    _, ids = perplexity.heldout_tokens(shards, run.config.eval.max_tokens_per_doc)
+    _, ids = documents.heldout_tokens(shards, run.config.eval.max_tokens_per_doc)
     scored = [text for text, x in zip(docs, ids) if len(x) > run.config.eval.context_tokens]
     rr = load(first_eval, progress=False)
     answers = [rr.path_for(text) for text in scored]  # what generate routes each document's text to
@@ -199,7 +199,7 @@ def test_without_a_saved_rule_eval_and_generate_route_every_document_alike(tmp_p
     assert "had no once rule: routing once uses prefix-loss" in err and "saved to" in err
     assert f"# path {answers[0]}:" in err and "once, prefix-loss" in err
     assert json.loads((first_generate / "routing" / "once.json").read_text()) == saved
-    assert perplexity.find_once_policy(Run(first_generate), shards)["source"] == str(first_generate / "routing" / "once.json")
+    assert once_policy.find_once_policy(Run(first_generate), shards)["source"] == str(first_generate / "routing" / "once.json")
 
 
 @pytest.mark.slow

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from dipaco.errors import DipacoError
-from dipaco.eval import perplexity
-from dipaco.eval.policy_files import read_once_policy, read_window_policy
+from dipaco.eval import once_policy
+from dipaco.eval.once_policy import read_once_policy
+from dipaco.eval.window_policy import read_window_policy
 from dipaco.outputs import atomic_dir, check_replaceable
 
 ONCE = {"chosen": {"kind": "prefix-loss", "prior": False}, "name": "prefix-loss", "reason": "a test", "round": 2}
@@ -91,45 +92,45 @@ def test_overwrite_replaces_a_damaged_policy_but_never_a_users_files(tmp_path):
 def test_the_first_command_chooses_and_saves_and_later_ones_read(tmp_path, monkeypatch):
     run, shards = _run(tmp_path)
     chosen = []
-    monkeypatch.setattr(perplexity, "choose_once_on_router_docs",
+    monkeypatch.setattr(once_policy, "choose_once_policy",
                         lambda run_, shards_, r, progress: chosen.append(r) or dict(ONCE, round=r))
-    first = perplexity.find_once_policy(run, shards, progress=False)
+    first = once_policy.find_once_policy(run, shards, progress=False)
     f = run.root / "routing" / "once.json"
     assert chosen == [2] and first["chosen_now"] and first["saved_to"] == str(f) and json.loads(f.read_text()) == ONCE
-    assert "saved to" in perplexity.once_notice(run.root, first)
-    second = perplexity.find_once_policy(run, shards, progress=False)
+    assert "saved to" in once_policy.once_notice(run.root, first)
+    second = once_policy.find_once_policy(run, shards, progress=False)
     assert chosen == [2] and second["source"] == str(f) and "chosen_now" not in second
-    assert perplexity.once_notice(run.root, second) is None
+    assert once_policy.once_notice(run.root, second) is None
     assert not [p for p in run.root.rglob(".*")]  # no temporary folder left behind
 
 
 def test_an_empty_routing_folder_takes_the_choice(tmp_path, monkeypatch):
     run, shards = _run(tmp_path)
     (run.root / "routing").mkdir()
-    monkeypatch.setattr(perplexity, "choose_once_on_router_docs", lambda *a: dict(ONCE))
-    assert perplexity.find_once_policy(run, shards, progress=False)["saved_to"]
+    monkeypatch.setattr(once_policy, "choose_once_policy", lambda *a: dict(ONCE))
+    assert once_policy.find_once_policy(run, shards, progress=False)["saved_to"]
     assert read_once_policy(run, shards)["name"] == "prefix-loss"
 
 
 def test_a_run_that_cannot_keep_the_rule_uses_it_unsaved_and_says_so(tmp_path, monkeypatch):
     run, shards = _run(tmp_path)
-    monkeypatch.setattr(perplexity, "choose_once_on_router_docs", lambda *a: dict(ONCE))
+    monkeypatch.setattr(once_policy, "choose_once_policy", lambda *a: dict(ONCE))
 
     def read_only(*_a, **_k):
         raise PermissionError(13, "Permission denied", str(run.root / "routing"))
 
-    monkeypatch.setattr(perplexity, "write_once_policy", read_only)
-    policy = perplexity.find_once_policy(run, shards, progress=False)
+    monkeypatch.setattr(once_policy, "write_once_policy", read_only)
+    policy = once_policy.find_once_policy(run, shards, progress=False)
     assert policy["name"] == "prefix-loss" and policy["chosen_now"] and policy["saved_to"] is None
-    notice = perplexity.once_notice(run.root, policy)
+    notice = once_policy.once_notice(run.root, policy)
     assert "for this command only" in notice and "Permission denied" in notice and "\n" not in notice
     assert not (run.root / "routing").exists()
     # a user's file in RUN/routing: the same (never replaced)
     monkeypatch.undo()
-    monkeypatch.setattr(perplexity, "choose_once_on_router_docs", lambda *a: dict(ONCE))
+    monkeypatch.setattr(once_policy, "choose_once_policy", lambda *a: dict(ONCE))
     (run.root / "routing").mkdir()
     (run.root / "routing" / "notes.txt").write_text("mine")
-    policy = perplexity.find_once_policy(run, shards, progress=False)
+    policy = once_policy.find_once_policy(run, shards, progress=False)
     assert policy["saved_to"] is None and "did not write" in policy["source"]
     assert [p.name for p in (run.root / "routing").iterdir()] == ["notes.txt"]
 
@@ -137,12 +138,12 @@ def test_a_run_that_cannot_keep_the_rule_uses_it_unsaved_and_says_so(tmp_path, m
 def test_a_rule_saved_meanwhile_by_another_command_wins(tmp_path, monkeypatch):
     """Two commands choosing at once: the one that saves second finds the saved rule and follows it."""
     run, shards = _run(tmp_path)
-    monkeypatch.setattr(perplexity, "choose_once_on_router_docs", lambda *a: dict(ONCE, reason="mine"))
+    monkeypatch.setattr(once_policy, "choose_once_policy", lambda *a: dict(ONCE, reason="mine"))
 
     def saved_by_another(run_, policy, overwrite=False):
         (run.root / "routing").mkdir()
         (run.root / "routing" / "once.json").write_text(json.dumps(ONCE | {"reason": "theirs"}))
         raise DipacoError(f"{run.root / 'routing'} already exists")
 
-    monkeypatch.setattr(perplexity, "write_once_policy", saved_by_another)
-    assert perplexity.find_once_policy(run, shards, progress=False)["reason"] == "theirs"
+    monkeypatch.setattr(once_policy, "write_once_policy", saved_by_another)
+    assert once_policy.find_once_policy(run, shards, progress=False)["reason"] == "theirs"

@@ -31,15 +31,9 @@ ROUNDS, H = 3, 10
 
 
 @pytest.fixture(scope="session")
-def cluster():
-    """A head node (1 CPU) and one worker node (1 CPU): two machines, as Ray sees them, on localhost."""
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    yield c
-    c.shutdown()
+def cluster(ray_cluster):
+    """The session's two-node local cluster (tests/conftest.py)."""
+    return ray_cluster
 
 
 @pytest.fixture(scope="session")
@@ -93,8 +87,11 @@ def wait_for(condition, what: str, timeout: float = 120):
 
 def first_attempt(run: Path, version: int, who: str) -> dict | None:
     """The first started attempt of phase (trainee, version) (``who`` = "trainee_<i>") or outer step ("step_<group>")."""
-    for f in sorted((run / "queue" / "attempts" / str(version)).glob(f"{who}/*.json")):
-        return json.loads(f.read_text())
+    for f in sorted(run.glob(f"queue/*/attempts/{version}/{who}/*.json")):
+        try:
+            return json.loads(f.read_text())
+        except ValueError:  # being written (an object is written whole, but a test may read a local file early)
+            return None
     return None
 
 
@@ -154,7 +151,7 @@ def test_an_executor_killed_mid_step_restarts_with_the_same_bits(shards_2x2, clu
     out = tmp_path / "ray"
     proc = start_driver(shards_2x2, out, cluster, env={"DIPACO_TEST_DELAY": "step:1:60"})
     victim = wait_for(lambda: next(filter(None, (first_attempt(out, 1, d.name) for d in
-                                                 (out / "queue" / "attempts" / "1").glob("step_*"))), None),
+                                                 out.glob("queue/*/attempts/1/step_*"))), None),
                       "an outer step from version 1 to start")
     time.sleep(1.0)
     os.kill(victim["pid"], signal.SIGKILL)

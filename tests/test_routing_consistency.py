@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from dipaco.errors import DipacoError
-from dipaco.eval.perplexity import evaluate, heldout_tokens, route_documents, shard_router, validation_tokens
+from dipaco.eval.documents import heldout_tokens, route_documents, shard_router, validation_tokens
+from dipaco.eval.perplexity import evaluate
 from dipaco.routing import Router
 from dipaco.run import Run
 from dipaco.shards import ShardSet

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dipaco.eval.window_policy import (MIN_CHUNKS, Rule, candidates, choose, chunk_cuts, cross_fitted_oracle_nll, decide,
-                                       total_nll)
+from dipaco.eval.perplexity import cross_fitted_oracle_nll
+from dipaco.eval.window_policy import MIN_CHUNKS, Rule, candidates, chunk_cuts, decide, pick_window_rule, total_nll
 
 PATHS = ["0-0", "0-1", "1-0", "1-1"]
 
@@ -66,7 +66,7 @@ def test_the_window_oracle_bounds_every_rule_and_the_best_is_chosen():
     cuts, first, nll = synthetic(docs=40, chunks=8)
     rules = candidates(8, 32, window_router=False)
     rules = [r for r in rules if r.kind != "shard-router"]  # no router in this fixture
-    out = choose(rules, cuts, first, [[]] * 40, PATHS, nll)
+    out = pick_window_rule(rules, cuts, first, [[]] * 40, PATHS, nll)
     assert out["chunks"] == 40 * 7 >= MIN_CHUNKS
     assert all(out["window_oracle"] <= v + 1e-12 for v in out["scores"].values())
     assert out["name"] == min(out["scores"], key=out["scores"].get) and out["chosen"]["kind"] == "lagged-loss"
@@ -77,7 +77,7 @@ def test_the_window_oracle_bounds_every_rule_and_the_best_is_chosen():
 def test_too_few_validation_chunks_keep_routing_once():
     cuts, first, nll = synthetic(docs=5, chunks=8)
     rules = [Rule("stay"), Rule("lagged-loss", 0.0, 1)]
-    out = choose(rules, cuts, first, [[]] * 5, PATHS, nll)
+    out = pick_window_rule(rules, cuts, first, [[]] * 5, PATHS, nll)
     assert out["scores"]["lagged-loss n=1 m=0"] < out["scores"]["stay"]  # it looks better, on 35 chunks
     assert out["name"] == "stay" and "too few" in out["reason"]
 
@@ -87,7 +87,7 @@ def test_routing_once_wins_when_nothing_beats_it():
     nll = [c + 0.0 for c in nll]
     for d, c in enumerate(nll):  # and the document's own path is the best one
         c[:, PATHS.index(first[d])] -= 8.0
-    out = choose([Rule("stay"), Rule("lagged-loss", 0.0, 1)], cuts, first, [[]] * 40, PATHS, nll)
+    out = pick_window_rule([Rule("stay"), Rule("lagged-loss", 0.0, 1)], cuts, first, [[]] * 40, PATHS, nll)
     assert out["name"] == "stay" and "no rule beat" in out["reason"]
     assert total_nll(decide(Rule("stay"), cuts, first, [[]] * 40, PATHS), nll, PATHS) == pytest.approx(
         sum(c[:, PATHS.index(f)].sum() for c, f in zip(nll, first)))

@@ -111,12 +111,12 @@ def test_too_few_router_windows_warn_and_keep_routing_once(shards_2x2, tmp_path_
     warns; the every-W rule is chosen on the router documents only, and with that few chunks it is routing once."""
     import shutil
 
-    import dipaco.eval.perplexity as perplexity
+    import dipaco.eval.documents as documents
 
     run = tmp_path_factory.mktemp("few") / "run"
     shutil.copytree(trained_run(tmp_path_factory, shards_2x2, *PRIVATE), run)
-    monkeypatch.setattr(perplexity, "heldout_tokens", lambda *a, **k: pytest.fail("the choice read held-out documents"))
-    monkeypatch.setattr(perplexity, "validation_tokens", lambda *a, **k: pytest.fail("the choice read validation documents"))
+    monkeypatch.setattr(documents, "heldout_tokens", lambda *a, **k: pytest.fail("the choice read held-out documents"))
+    monkeypatch.setattr(documents, "validation_tokens", lambda *a, **k: pytest.fail("the choice read validation documents"))
     assert main(["fit-window-router", "--run", str(run), "--shards", str(shards_2x2), "--window", str(W), "--quiet"]) == 0
     err = capsys.readouterr().err
     assert err.count("warning:") == 1 and "too few to fit a window router" in err

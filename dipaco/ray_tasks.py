@@ -1,0 +1,53 @@
+"""Plain retried Ray tasks for a stage's independent pieces of work (``dipaco shard --engine ray``'s blocks).
+
+The shard stage hands over functions of its own (``dipaco.sharding.scan``, ``.parts``); this file only runs them,
+so it imports no stage, and Ray stays in the files listed in tests/test_imports.py. A task whose worker
+process or node is lost is retried ``max_retries`` times; an exception raised by the task itself is not
+retried (it would raise again) and reaches the driver as itself.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import ray
+from ray.exceptions import RayTaskError
+
+from dipaco.ray_cluster import connect
+
+
+def _call(fn, *args):
+    return fn(*args)
+
+
+class RayTasks:
+    def __init__(self, address: str, cpus: int, max_retries: int, env: dict[str, str]):
+        self.started = not ray.is_initialized()
+        if self.started:  # a local Ray kept to 127.0.0.1 without a dashboard, or the cluster at address (one place)
+            connect(address, cpus, env)
+        self.cpus = int(ray.cluster_resources().get("CPU", cpus))
+        self.remote = ray.remote(num_cpus=1, max_retries=max_retries, retry_exceptions=False)(_call)
+
+    def run(self, fn, arglist: list[tuple], on_done: Callable[[], None] = lambda: None) -> list:
+        refs = [self.remote.remote(fn, *args) for args in arglist]
+        index = {ref: i for i, ref in enumerate(refs)}
+        out: list = [None] * len(refs)
+        waiting = list(refs)
+        try:
+            while waiting:
+                done, waiting = ray.wait(waiting, num_returns=1)
+                for ref in done:
+                    try:
+                        out[index[ref]] = ray.get(ref)
+                    except RayTaskError as exc:  # the task's own exception, as itself (a DipacoError stays one line)
+                        cause = getattr(exc, "cause", None)
+                        raise (cause if isinstance(cause, Exception) else exc) from None
+                    on_done()
+        finally:
+            for ref in waiting:
+                ray.cancel(ref, force=True)
+        return out
+
+    def close(self) -> None:
+        if self.started:
+            ray.shutdown()

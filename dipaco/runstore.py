@@ -1,0 +1,178 @@
+"""A run directory through the storage interface: its checkpoints, the queue's lineage, finished rounds assembled
+into checkpoints, and local copies of a run or shard directory kept in a bucket.
+
+A run in a bucket has the layout of a local one (``dipaco.run``, ``dipaco.checkpoint``). Commands that read it
+(eval, generate, export, the driver's checks) work on a local copy (``pull_run``: the run's small files, and the
+checkpoints they need); the driver writes back what it changes (``push``). Shards given as a URL are copied once per
+machine into a local cache (``local_shards``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+
+from dipaco import checkpoint
+from dipaco.config import TrainConfig, to_dict
+from dipaco.storage import Storage, is_url
+from dipaco.taskstore import TaskStore, state_bytes, tensors_bytes
+
+HEAD_FILES = ("config.toml", "run.json", "metrics.jsonl")
+
+
+# ------------------------------------------------------------------------------------------ checkpoints in storage
+def rounds_in(storage: Storage) -> list[int]:
+    """The complete rounds (their meta.json, written last, is there)."""
+    names = [n for n in storage.list("checkpoints") if n.startswith("round_") and n[6:].isdigit()]
+    return sorted(int(n[6:]) for n in names if storage.exists(f"checkpoints/{n}/state/meta.json"))
+
+
+def assemble(store: TaskStore, local: Path, v: int, modules: dict[str, dict], outer: list[dict], states: list[tuple],
+             meta: dict) -> None:
+    """Round v's checkpoint from the queue's committed objects: ``modules`` {module: ref}, ``outer`` the groups'
+    momentum refs, ``states`` [(ref, exact, step)] per trainee (not exact: the state from before a dropped phase,
+    moved to this round's ``step``). Locally: links (copies across file systems) into a temporary directory renamed
+    into place; in a bucket: copies, meta.json then ``latest`` written last. ``latest`` moves last either way."""
+    momentum = {}
+    for r in outer:
+        momentum.update(store.load_tensors(r))
+    meta = {**meta, "queue": store.lineage}
+    if not store.storage.remote:
+        tmp = checkpoint.begin_round(local, v)
+        try:
+            for m, r in modules.items():
+                store.storage.copy(r["key"], str((tmp / "modules" / f"{m}.safetensors").relative_to(local)))
+            for i, (r, exact, step) in enumerate(states):
+                target = str((tmp / "state" / f"trainee_{i}.pt").relative_to(local))
+                if exact:
+                    store.storage.copy(r["key"], target)
+                else:
+                    torch.save({**store.load_state(r), "step": step}, tmp / "state" / f"trainee_{i}.pt")
+            checkpoint.finish_round(local, v, tmp, list(modules), momentum, len(states), meta)
+        except BaseException:
+            checkpoint.abort_round(tmp)
+            raise
+        return
+    s, base = store.storage, f"checkpoints/round_{v}"
+    for m, r in modules.items():
+        s.copy(r["key"], f"{base}/modules/{m}.safetensors")
+    for i, (r, exact, step) in enumerate(states):
+        if exact:
+            s.copy(r["key"], f"{base}/state/trainee_{i}.pt")
+        else:
+            s.write(f"{base}/state/trainee_{i}.pt", state_bytes({**store.load_state(r), "step": step}))
+    s.write(f"{base}/state/outer.safetensors", tensors_bytes(momentum))
+    meta_bytes = json.dumps({"round": v, "modules": list(modules), **meta}, indent=1).encode()
+    s.write(f"{base}/state/meta.json", meta_bytes)
+    s.write("checkpoints/latest", f"round_{v}\n".encode())
+    (local / base / "state").mkdir(parents=True, exist_ok=True)  # the driver's local view follows
+    (local / base / "state" / "meta.json").write_bytes(meta_bytes)
+    (local / "checkpoints" / "latest").write_text(f"round_{v}\n")
+
+
+# ------------------------------------------------------------------------------------------ the queue's lineage
+def config_digest(cfg: TrainConfig, schedule_steps: int) -> str:
+    """What decides the bits a queue holds: a queue grown under another digest is not read."""
+    d = to_dict(cfg)
+    keep = {k: d[k] for k in ("model", "grid", "inner", "outer", "seed", "inner_steps")}
+    keep["threads"] = cfg.trainee_threads
+    keep["comm"] = {k: d["comm"][k] for k in ("bits", "block_size")}
+    keep["schedule_steps"] = schedule_steps
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def choose_lineage(storage: Storage, start: int, digest: str, start_meta: dict, say) -> str:
+    """The queue lineage a driver starting from checkpoint ``start`` may use: the stored one when it grew from that
+    checkpoint (its base, or a round assembled from it) under the same config ``digest``; else a new one, and every
+    other queue folder is deleted (nothing in it derives from this checkpoint)."""
+    current = None
+    try:
+        current = json.loads(storage.read("queue/lineage.json"))
+        token, base, stored = str(current["token"]), int(current["base"]), str(current["digest"])
+        if start > 0 and stored == digest and (base == start or start_meta.get("queue") == token):
+            return token
+    except FileNotFoundError:
+        pass
+    except (ValueError, KeyError, TypeError):
+        say(f"{storage.where('queue/lineage.json')} does not parse: the queue is started afresh")
+    old = [n for n in storage.list("queue") if n != "lineage.json"]
+    if old and start > 0:
+        say(f"the queue in {storage.where('queue')} did not grow from round {start}'s checkpoint with this config: "
+            f"it is not read (removed), and round {start + 1} on is trained afresh")
+    for name in old:
+        storage.delete(f"queue/{name}")
+    token = uuid.uuid4().hex[:12]
+    storage.write("queue/lineage.json", json.dumps({"token": token, "base": start, "digest": digest}).encode())
+    return token
+
+
+# ------------------------------------------------------------------------------------------ local copies
+def cache_root() -> Path:
+    return Path(os.environ.get("DIPACO_CACHE") or Path.home() / ".cache" / "dipaco")
+
+
+def _cache_dir(kind: str, url: str) -> Path:
+    return cache_root() / kind / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def pull_run(location: str | Path, rounds: str = "all", into: Path | None = None) -> Path:
+    """A local directory holding the run: the run itself when it is local; for a URL a copy of its small files and,
+    per complete round, its meta.json (``rounds="meta"``: enough for the driver's checks) or all its files ("all")."""
+    if not is_url(str(location)):
+        return Path(location)
+    storage = Storage(str(location))
+    local = into or _cache_dir("runs", str(location))
+    local.mkdir(parents=True, exist_ok=True)
+    for name in HEAD_FILES + ("checkpoints/latest",):
+        if storage.exists(name):
+            storage.get_file(name, local / name)
+    for r in rounds_in(storage):
+        base = f"checkpoints/round_{r}"
+        names = ["state/meta.json"] if rounds == "meta" else [f"{d}/{n}" for d in ("modules", "state")
+                                                                for n in storage.list(f"{base}/{d}")]
+        for name in names:
+            if rounds == "meta" or not (local / base / name).is_file():  # a complete round's files never change
+                storage.get_file(f"{base}/{name}", local / base / name)
+    return local
+
+
+def driver_mirror() -> Path:
+    return Path(tempfile.mkdtemp(prefix="dipaco-run-"))
+
+
+def push(local: Path, storage: Storage, names: list[str]) -> None:
+    """Upload files (or whole folders) of the local copy to the run in storage (no-op for a local run)."""
+    if not storage.remote:
+        return
+    for name in names:
+        p = local / name
+        files = [f for f in sorted(p.rglob("*")) if f.is_file()] if p.is_dir() else [p] if p.is_file() else []
+        for f in files:
+            storage.write(str(f.relative_to(local)), f.read_bytes())
+
+
+def local_shards(location: str | Path) -> Path:
+    """A shard directory on this machine: the path itself, or for a URL a copy made once per machine (a marker file
+    written last says the copy is whole)."""
+    if not is_url(str(location)):
+        return Path(location)
+    local = _cache_dir("shards", str(location))
+    if (local / ".dipaco-copied").is_file():
+        return local
+    storage, todo = Storage(str(location)), [""]
+    while todo:
+        prefix = todo.pop()
+        for name in storage.list(prefix):
+            key = f"{prefix}/{name}" if prefix else name
+            if storage.fs.isdir(storage.where(key)):
+                todo.append(key)
+            else:
+                storage.get_file(key, local / key)
+    (local / ".dipaco-copied").write_text(str(location))
+    return local

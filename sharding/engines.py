@@ -1,0 +1,124 @@
+"""Where the shard stage's block tasks run: this process, local worker processes, or Ray.
+
+Every task is a plain function of its arguments that writes a committed part and returns a small dict, so
+the engine only decides where it runs: the bytes are the same on any engine and any number of workers.
+
+  local, 1 worker     in this process (the default for a corpus of one block: no start-up cost)
+  local, N workers    a pool of N spawned processes, one block each at a time, the tokenizer on one thread in
+                      each (measured faster than one process with N tokenizer threads: bench/shard.py)
+  ray                 Ray tasks (``dipaco.ray_tasks``) on the cluster at --address, or on a local Ray; a task
+                      whose worker or node is lost is retried and writes the same bytes
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from tqdm.auto import tqdm
+
+from dipaco.errors import DipacoError
+
+# what every worker runs with: one tokenizer thread and one BLAS/torch thread (a worker is one core)
+WORKER_ENV = {"RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+PASSED_ENV = ("DIPACO_SHARD_TEST_DELAY",)  # the fault tests' hook reaches the workers
+
+
+def worker_env() -> dict[str, str]:
+    return {**WORKER_ENV, **{k: os.environ[k] for k in PASSED_ENV if k in os.environ}}
+
+
+def _init_worker(env: dict[str, str]) -> None:
+    os.environ.update(env)
+    # pass 2's modules (torch, transformers, faiss: seconds to import) load in the background while the
+    # worker scans and the driver fits, instead of delaying the worker's first pass-2 block
+    threading.Thread(target=importlib.import_module, args=("dipaco.sharding.parts",), daemon=True).start()
+
+
+class Engine:
+    """Runs ``fn(*args)`` for every tuple of arguments; ``run`` returns the results in the given order."""
+
+    kind, workers = "local", 1
+
+    def __init__(self, progress: bool = True):
+        self.progress = progress
+
+    def _bar(self, total: int, desc: str):
+        return tqdm(total=total, desc=desc, unit="block", disable=not self.progress or total < 2, dynamic_ncols=True)
+
+    def run(self, fn, arglist: list[tuple], desc: str = "") -> list:
+        out = []
+        with self._bar(len(arglist), desc) as bar:
+            for args in arglist:
+                out.append(fn(*args))
+                bar.update(1)
+        return out
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"engine": self.kind, "workers": self.workers}
+
+
+class LocalPool(Engine):
+    """N spawned worker processes (spawn, not fork: the driver holds threads of torch, faiss and tokenizers)."""
+
+    def __init__(self, workers: int, progress: bool = True):
+        super().__init__(progress)
+        self.workers = workers
+        self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=_init_worker, initargs=(worker_env(),))
+
+    def run(self, fn, arglist: list[tuple], desc: str = "") -> list:
+        futures = [self.pool.submit(fn, *args) for args in arglist]
+        out = []
+        try:
+            with self._bar(len(futures), desc) as bar:
+                for f in futures:  # in order: the bar moves at the pace of the slowest prefix, the results stay ordered
+                    out.append(f.result())
+                    bar.update(1)
+        except BrokenProcessPool:
+            raise DipacoError("a shard worker process died (out of memory, or killed); committed blocks are kept: "
+                              "rerun the same command with --resume") from None
+        finally:
+            for f in futures:
+                f.cancel()
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class RayEngine(Engine):
+    kind = "ray"
+
+    def __init__(self, address: str, cpus: int, max_retries: int, progress: bool = True):
+        super().__init__(progress)
+        try:
+            from dipaco.ray_tasks import RayTasks
+        except ImportError:
+            raise DipacoError("--engine ray needs Ray; install it with pip install -e '.[ray]' (or pip install 'ray>=2.40')") from None
+        self.tasks = RayTasks(address, cpus, max_retries, worker_env())
+        self.workers = self.tasks.cpus
+
+    def run(self, fn, arglist: list[tuple], desc: str = "") -> list:
+        with self._bar(len(arglist), desc) as bar:
+            return self.tasks.run(fn, arglist, on_done=lambda: bar.update(1))
+
+    def close(self) -> None:
+        self.tasks.close()
+
+
+def make_engine(engine: str, num_proc: int, address: str, blocks: int, max_retries: int = 3,
+                progress: bool = True) -> Engine:
+    if engine == "ray":
+        return RayEngine(address, num_proc or os.cpu_count() or 1, max_retries, progress)
+    if address:
+        raise DipacoError(f"--address {address} is a Ray cluster's; add --engine ray, or drop --address")
+    workers = min(num_proc or os.cpu_count() or 1, max(1, blocks))
+    return Engine(progress) if workers == 1 else LocalPool(workers, progress)
