@@ -130,8 +130,10 @@ def report(corpora: list[Corpus], s, args: argparse.Namespace, out: Path) -> dic
               f"not written (add the two markers where they belong)", file=sys.stderr)
     checked = [e for e in res["expectations"] if e["held"] is not None]
     missing = sum(len(v) for v in res["missing"].values())
-    print(f"expectations held: {sum(e['held'] for e in checked)} of {len(checked)} checked ({len(res['expectations']) - len(checked)} "
-          f"not yet run); rows not yet run: {missing}; wrote {out / 'results.json'}" + (f" and {args.page}" if args.page else ""))
+    silent = len(res["expectations"]) - len(checked)
+    print(f"expectations held: {sum(e['held'] for e in checked)} of {len(checked)} checked ({silent} without a verdict: "
+          f"not yet run or not measured); rows not yet run: {missing}; wrote {out / 'results.json'}"
+          + (f" and {args.page}" if args.page else ""))
     return res
 
 
