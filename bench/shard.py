@@ -81,6 +81,40 @@ def child_encode(spec: dict) -> dict:
     return {"wall_s": wall, "mb": sum(len(t.encode("utf-8")) for t in texts) / 1e6}
 
 
+def child_dedup(spec: dict) -> dict:
+    """Peak RSS of the global dedup over ``docs`` synthetic digests (1% duplicates) in 100 blocks: the task
+    that holds every bucket (one task, as the in-process engine runs it up to 4M documents), and the
+    driver's share afterwards (the duplicates' positions)."""
+    import numpy as np
+
+    from dipaco.sharding.scan import BUCKETS, dedup_buckets
+
+    work, n, blocks = Path(spec["work"]), spec["docs"], 100
+    rng = np.random.default_rng(0)
+    digests = rng.integers(0, 2**63, size=(n, 2), dtype=np.int64).astype(np.uint64)
+    digests[rng.choice(n, n // 100, replace=False)] = digests[rng.choice(n, n // 100, replace=False)]
+    names = []
+    for b, part in enumerate(np.array_split(digests, blocks)):
+        root = work / "scan" / f"{b:06d}"
+        root.mkdir(parents=True)
+        bucket = (part[:, 0] >> np.uint64(56)).astype(np.int64)
+        order = np.argsort(bucket, kind="stable")
+        np.save(root / "digests.npy", part[order])
+        np.save(root / "where.npy", order.astype(np.uint32))
+        np.save(root / "cands.npy", np.ones(len(part), np.uint8))
+        np.save(root / "bounds.npy", np.searchsorted(bucket[order], np.arange(BUCKETS + 1)).astype(np.int64))
+        names.append(root.name)
+    del digests, part
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    began = time.perf_counter()
+    res = dedup_buckets(str(work), names, 0, BUCKETS)
+    wall = time.perf_counter() - began
+    task = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+    dups = sum(len(v) for v in res["dups"].values())
+    return {"docs": n, "duplicates": dups, "wall_s": wall, "task_mb_per_million": task / (n / 1e6),
+            "driver_mb_per_million": dups * 8 / 1e6 / (n / 1e6)}
+
+
 def _one_thread():
     os.environ["RAYON_NUM_THREADS"] = "1"
 
@@ -144,15 +178,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--corpus", default=str(DEFAULT_CORPUS))
     ap.add_argument("--grid", default="5")
-    ap.add_argument("--scales", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--scales", type=int, nargs="*", default=[1, 4, 16],
+                    help="corpus sizes to run (none: only the dedup memory figure, added to an existing --out)")
     ap.add_argument("--engines", nargs="+", default=["local", "ray"], choices=["local", "ray"])
     ap.add_argument("--block-mb", type=float, default=8.0, help="data.block_bytes of the runs, in MB")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="shard config override")
     ap.add_argument("--out", default=str(ROOT / "bench" / "shard_results.json"))
+    ap.add_argument("--dedup-docs", type=int, default=2_000_000, help="synthetic digests for the dedup memory figure")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps((child_shard if args.child[0] == "shard" else child_encode)(json.loads(args.child[1]))))
+        kind = {"shard": child_shard, "encode": child_encode, "dedup": child_dedup}[args.child[0]]
+        print(json.dumps(kind(json.loads(args.child[1]))))
         return 0
     corpus = Path(args.corpus)
     files = sorted(corpus.glob("*.jsonl.gz")) if corpus.is_dir() else []
@@ -187,11 +224,18 @@ def main() -> int:
                 print(f"{scale}x {engine} {workers}: {r['wall_s']:.1f} s, stage {r['stage_mb_s']:.2f} MB/s, "
                       f"pass {r['pass_mb_s']:.2f} MB/s, encode {encode[workers]:.2f} MB/s", flush=True)
             shutil.rmtree(tmp / f"x{scale}", ignore_errors=True)
-    report(rows, encode, args)
+        dedup = run_child("dedup", {"work": str(tmp / "dedup"), "docs": args.dedup_docs}) if args.dedup_docs else None
+    if not rows:  # only the dedup figure: add it to the last full run's JSON
+        out = Path(args.out)
+        saved = json.loads(out.read_text()) if out.is_file() else {}
+        out.write_text(json.dumps({**saved, "dedup_memory": dedup}, indent=1))
+        print(json.dumps(dedup))
+        return 0
+    report(rows, encode, dedup, args)
     return 0
 
 
-def report(rows: list[dict], encode: dict, args) -> None:
+def report(rows: list[dict], encode: dict, dedup: dict | None, args) -> None:
     def find(scale, engine, workers):
         return next((r for r in rows if (r["scale"], r["engine"], r["workers"]) == (scale, engine, workers)), None)
 
@@ -224,9 +268,13 @@ def report(rows: list[dict], encode: dict, args) -> None:
           f"{eff:.2f}x per doubling of workers carried to every machine; plus the fits, a fixed {fixed:.0f} s at a "
           f"full fit sample; inputs read as fast as here, the driver's merge and dedup not counted): "
           + ", ".join(f"{m} machines {h + fixed / 3600:.1f} h" for m, h in hours.items()))
+    if dedup:
+        print(f"global dedup of {dedup['docs']:,} digests ({dedup['duplicates']:,} duplicates) in one task: "
+              f"{dedup['wall_s']:.1f} s, {dedup['task_mb_per_million']:.0f} MB per million documents in the task; "
+              f"the driver keeps {dedup['driver_mb_per_million']:.2f} MB per million documents (the duplicates' positions)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"grid": args.grid, "cores": os.cpu_count(), "load_average": os.getloadavg(),
+    out.write_text(json.dumps({"grid": args.grid, "dedup_memory": dedup, "cores": os.cpu_count(), "load_average": os.getloadavg(),
                                "block_mb": args.block_mb, "encode_batch_mb_s": encode, "speedup_1_to_2": speedup,
                                "projection_hours_300gb": {m: h + fixed / 3600 for m, h in hours.items()},
                                "goals": {"pass_vs_encode": 0.9, "stage_vs_encode_4x": 0.8, "speedup_1_to_2": 1.7},
