@@ -151,12 +151,19 @@ class Corpus:
         return [f"tokenizer.vocab_size={self.s.vocab}", f"routing.balance={self.s.balance}",
                 f"data.router_fraction={self.s.router_fraction}", *self.s.shard]
 
-    def make_shards(self) -> None:
-        """Every sharding, one tokenizer and one seed (the same held-out, router and validation documents)."""
+    def shards_needed(self, jobs: list[str]) -> set[str]:
+        """The shardings these jobs read (2x2 always: it holds the one tokenizer, and the start trains on it)."""
+        by = {sp.name: sp.shards for sp in self.specs()}
+        return {"2x2"} | {by[j] for j in jobs if by.get(j) in self.shard_plan()}
+
+    def make_shards(self, keys: set[str] | None = None) -> None:
+        """The shardings (``keys``; all by default), one tokenizer and one seed (the same held-out, router and
+        validation documents)."""
         from dipaco.config import ShardConfig, resolve
         from dipaco.sharding.writer import shard
 
-        inputs, plan = self.inputs(), self.shard_plan()
+        inputs = self.inputs()
+        plan = {k: v for k, v in self.shard_plan().items() if keys is None or k in keys}
         for key, sets in plan.items():
             d = self.shard_dirs[key]
             if (d / "manifest.json").is_file():
