@@ -319,7 +319,7 @@ class RayConfig:
     executors: int = 1
     """Outer-step executors (restartable Ray actors); the module groups are spread over them."""
     sticky: bool = True
-    """A phase prefers the node that trained its trainee last (a soft affinity: another node when that one is gone)
+    """A phase prefers the node that trained its trainee last (a soft affinity: another node when that one is busy or gone)
     and reads the trainee state from that node's local cache, checked against its commit record's checksum;
     storage keeps the durable copy, so a lost node costs a download, never bits."""
     gpus_per_phase: float = 1.0

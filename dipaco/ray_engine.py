@@ -274,8 +274,9 @@ class TaskQueue:
                          self.schedule, files, state, exact, validate, self.val_sources[path])
         options = {"max_retries": self.cfg.ray.max_retries}
         node = self.last_node.get(i)
-        if self.cfg.ray.sticky and node:  # where its state is cached; soft: elsewhere once that node is gone
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+        if self.cfg.ray.sticky and node:  # where its state is cached, when that node has a free CPU now (a busy or
+            # lost node never holds a phase back: the queue stays elastic, a miss costs one download)
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True, _spill_on_unavailable=True)
         self.inflight[_phase.options(**options).remote(spec)] = ("phase", i, v)
 
     def launch_step(self, g: str, v: int) -> None:

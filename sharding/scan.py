@@ -12,7 +12,7 @@ A block's scan part (``WORK/scan/<block>/``, committed by renaming a finished te
 Exact dedup is global and exact: a document is a duplicate when an equal digest comes earlier in the global
 order (an earlier block, or earlier in its block), so the first copy wins whatever the split. The check runs
 per range of buckets (``dedup_buckets``), each a task holding only its share of the digests as numpy arrays
-(about 75 bytes per document while sorting, at most DEDUP_DOCS_PER_TASK per task), never a Python set of the corpus.
+(about 75 bytes per document while sorting, at most ``DEDUP_DOCS_PER_TASK`` per task), never a Python set.
 """
 
 from __future__ import annotations

@@ -60,3 +60,18 @@ def test_a_saved_dataset_is_cut_into_row_ranges(tmp_path):
     blocks = make_plan([str(tmp_path / "saved")], cfg)
     assert len(blocks) > 3 and all(b.fmt == "saved" for b in blocks)
     assert [row for b in blocks for row in block_rows(b, cfg)] == [(r["text"], r["domain"]) for r in rows]
+
+
+def test_engine_ray_without_ray_is_one_line(monkeypatch):
+    import sys
+
+    from dipaco.sharding.engines import make_engine
+
+    for name in ("ray", "dipaco.ray_tasks", "dipaco.ray_cluster"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if the ray extra were not installed
+    with pytest.raises(DipacoError) as err:
+        make_engine("ray", 2, "", 4)
+    assert "pip install -e '.[ray]'" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(DipacoError) as err:
+        make_engine("local", 2, "10.0.0.5:6379", 4)
+    assert "--engine ray" in str(err.value)
