@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[jobs] {len(todo)} to run of {len(every)} ({len(every) - len(todo)} with durable results in {results}); "
               f"{args.jobs} cores; logs in {out / 'logs'}", flush=True)
         for c in corpora:
-            if any(j.corpus == c.name for j in todo):
-                c.make_shards()
+            mine = [j.name for j in todo if j.corpus == c.name]
+            if mine:  # only the shardings the jobs to run read (a new session re-trains few)
+                c.make_shards(c.shards_needed(mine))
         run_jobs(todo, every, args.jobs, results, out, out / "logs", log)
         todo = plan(every, results, out)  # what is left (nothing, unless a job did not write its result)
     for c in corpora:  # the report reads only the results that match their job's fingerprint

@@ -109,6 +109,7 @@ class Corpus:
     def __init__(self, name: str, out: Path, s: Scale, data: Path, results: Path):
         self.name, self.root, self.s, self.data, self.results = name, out, s, data, results
         self.valid: dict[str, str] | None = None  # {job: fingerprint} of the durable results that match
+        self._identity: list | None = None
         self.out = out / name
         self.runs = self.out / "runs"
         self.shard_dirs = {k: self.out / f"shards-{k}" for k in ("2x2", "4", "4x4", "iid", "2x2-overlap", "2x2-disc")}
@@ -120,12 +121,13 @@ class Corpus:
         return store.load(self.results, self.name, job)
 
     def identity(self) -> list:
-        """What identifies the corpus in a fingerprint (file names and sizes; the default corpus by its budget)."""
-        if self.name == "default" and not (self.data != DEFAULT_DATA and self.data.is_file()):
-            return ["default corpus", self.s.default_budget]
-        if not self.data.exists():
-            return ["missing", str(self.data)]
-        return [[f.name, f.stat().st_size] for f in input_files(self.data)]
+        """What identifies the corpus in a fingerprint: the name and content hash of every input file (the default
+        corpus is built from the machine's files, so a session on another machine may build another one)."""
+        if self._identity is None:
+            if self.name == "shared" and not self.data.exists():
+                return ["missing", str(self.data)]  # (the run stops on it with a one-line message)
+            self._identity = [[Path(f).name, _sha256(Path(f))] for f in self.inputs()]
+        return self._identity
 
     # ------------------------------------------------------------------------------ shards (in process)
     def inputs(self) -> list[str]:
@@ -151,12 +153,19 @@ class Corpus:
         return [f"tokenizer.vocab_size={self.s.vocab}", f"routing.balance={self.s.balance}",
                 f"data.router_fraction={self.s.router_fraction}", *self.s.shard]
 
-    def make_shards(self) -> None:
-        """Every sharding, one tokenizer and one seed (the same held-out, router and validation documents)."""
+    def shards_needed(self, jobs: list[str]) -> set[str]:
+        """The shardings these jobs read (2x2 always: it holds the one tokenizer, and the start trains on it)."""
+        by = {sp.name: sp.shards for sp in self.specs()}
+        return {"2x2"} | {by[j] for j in jobs if by.get(j) in self.shard_plan()}
+
+    def make_shards(self, keys: set[str] | None = None) -> None:
+        """The shardings (``keys``; all by default), one tokenizer and one seed (the same held-out, router and
+        validation documents)."""
         from dipaco.config import ShardConfig, resolve
         from dipaco.sharding.writer import shard
 
-        inputs, plan = self.inputs(), self.shard_plan()
+        inputs = self.inputs()
+        plan = {k: v for k, v in self.shard_plan().items() if keys is None or k in keys}
         for key, sets in plan.items():
             d = self.shard_dirs[key]
             if (d / "manifest.json").is_file():
@@ -328,6 +337,16 @@ class Corpus:
                             artifact=done(self.runs / sp.name, sp.rounds), slots=min(2, sp.workers),
                             weight=sp.trainees * sp.rounds * sp.H))
         return jobs
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
 
 
 def pretrain_tokens_per_step(s: Scale) -> int:

@@ -211,16 +211,18 @@ def plots(name: str, res: dict, folder: Path) -> dict[str, str]:
     lead = {n: v for n, v in res["lead"].items() if len(v["rounds"]) > 1}
     if lead:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
-        for n, v in lead.items():
-            axes[0].plot(v["rounds"], v["perplexity"], label=res["runs"][n]["label"], marker="o", ms=2)
+        for i, (n, v) in enumerate(lead.items()):
+            style = {"label": res["runs"][n]["label"], "marker": "o", "ms": 2, "color": f"C{i}"}  # one colour per row
+            axes[0].plot(v["rounds"], v["perplexity"], **style)
             if n != "dense":
-                axes[1].plot(v["rounds"], v["lead_pct"], label=res["runs"][n]["label"], marker="o", ms=2)
+                axes[1].plot(v["rounds"], v["lead_pct"], **style)
         axes[1].axhline(5, color="grey", ls="--", lw=1, label="5% (expected of DiPaCo)")
         axes[0].set(xlabel="outer round", ylabel="held-out perplexity")
         axes[1].set(xlabel="outer round", ylabel="lead over dense (% below dense)")
         for ax in axes:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
+            ax.xaxis.get_major_locator().set_params(integer=True)
         fig.suptitle(f"{name}: held-out perplexity after every round, and the lead over dense")
         files["lead"] = _save(fig, folder / f"lead_{name}.png")
     return files

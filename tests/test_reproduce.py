@@ -79,6 +79,7 @@ def test_reproduce_tiny_durable_results_resume_and_report_only(corpus_file, tmp_
     (results / "default" / "dipaco-2x2-private.json").unlink()
     reproduce(*base, "--out", str(out), timeout=600)
     assert set(plans(out)[0]["to_run"]) == {"default:start", "default:dipaco-2x2-private"}
+    assert sorted(p.name for p in (out / "default").glob("shards-*")) == ["shards-2x2"]  # only what they read
     again = json.loads((out / "results.json").read_text())["corpora"]["default"]["runs"]
     assert again["dipaco-2x2-private"]["perplexity"] == pytest.approx(runs["dipaco-2x2-private"]["perplexity"], rel=1e-6)
     assert again["dense"]["perplexity"] == runs["dense"]["perplexity"]
