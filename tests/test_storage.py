@@ -114,3 +114,19 @@ def test_a_bucket_prefix_holding_someone_elses_objects_is_refused(capsys):
     rc = main(["train", "--shards", "none", "--out", url, "--engine", "ray"])
     assert rc == 2 and "holds objects dipaco did not write (notes.txt)" in capsys.readouterr().err
     assert Storage(url).read("notes.txt") == b"mine"
+
+
+def test_a_removed_latest_resumes_from_the_highest_complete_round_and_garbage_advises_no_loss(tmp_path):
+    """Item 5: `checkpoints/latest` removed (as an earlier message advised) must not restart a run from round 0 over
+    its rounds; a garbage one is refused with advice that keeps every round."""
+    from dipaco import checkpoint
+
+    for r in (0, 1, 2, 3):
+        (tmp_path / "checkpoints" / f"round_{r}" / "state").mkdir(parents=True)
+        if r != 3:  # round 3: no meta.json, not complete
+            (tmp_path / "checkpoints" / f"round_{r}" / "state" / "meta.json").write_text("{}")
+    assert checkpoint.latest_round(tmp_path) == 2
+    (tmp_path / "checkpoints" / "latest").write_text("\x00garbage")
+    with pytest.raises(DipacoError) as exc:
+        checkpoint.latest_round(tmp_path)
+    assert "write round_2" in str(exc.value) and "remove it" not in str(exc.value) and "\n" not in str(exc.value)
