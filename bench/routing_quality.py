@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reproduce import Job, input_files, rounds_done, run_jobs  # noqa: E402
+from reproduce_corpus import input_files  # noqa: E402
+from reproduce_jobs import Command as Job, rounds_done, run_commands as run_jobs  # noqa: E402
 from shared_corpus import SHARED_CORPUS as DEFAULT_DATA  # noqa: E402
 
 ROUNDS, H, W = 16, 50, 64

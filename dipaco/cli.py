@@ -11,26 +11,12 @@ from pathlib import Path
 from dipaco import command_config as CC
 from dipaco import config as C
 from dipaco.errors import DipacoError
-from dipaco.flags import HelpFormatter, add_flags, flags_of
+from dipaco.flags import Parser, add_flags, config_args, flags_of, set_arg
 from dipaco.outputs import check_out_dir, check_out_file, check_writable, os_error_line
 from dipaco.ray_cluster import ClusterUnreachable
 from dipaco.runstore import local_shards, pull_run
 from dipaco.storage import Storage, is_url
 from dipaco.supervise import LOST
-
-
-def _config_args(p: argparse.ArgumentParser, cls, func, example: str) -> None:
-    """The flags generated from ``cls``'s fields, then --config FILE and --set KEY=VALUE for every other key;
-    ``func`` runs the command."""
-    p.set_defaults(func=func)
-    add_flags(p, cls)
-    p.add_argument("--config", help="TOML file with config keys (defaults < preset < file < --set < flags)")
-    _set_arg(p, example)
-
-
-def _set_arg(p: argparse.ArgumentParser, example: str) -> None:
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help=f"override one config value, e.g. --set {example} (repeatable)")
 
 
 def _resolve(args, cls):
@@ -130,6 +116,10 @@ def cmd_train(args) -> None:
         # --out is a new or empty directory or a dipaco run (train decides about --resume), never an input
         check_out_dir(args.out, "run", inputs={"--shards": args.shards, "--init-from": cfg.init_from,
                                                "--config": args.config})
+    ours = {"lease.json", "queue", "config.toml", "run.json", "metrics.jsonl", "checkpoints"}  # a run's names
+    if remote and (found := sorted(set(Storage(args.out).list("")) - ours)) and not Storage(args.out).exists("run.json"):
+        raise DipacoError(f"--out {args.out} holds objects dipaco did not write ({', '.join(found[:3])}"
+                          f"{' ...' if len(found) > 3 else ''}); choose a new or empty prefix")
     if args.resume and not Storage(args.out).exists("run.json"):
         raise DipacoError(f"--resume: {args.out} holds no run (no run.json); drop --resume to start a new run there")
     if cfg.engine == "ray":
@@ -331,18 +321,18 @@ def cmd_quickstart(args) -> None:
     quickstart(args.out, **flags, overrides=args.overrides, progress=not args.quiet)
 
 
-class _Parser(argparse.ArgumentParser):
-    """Every dipaco parser: our help layout, and no abbreviated flags (argparse would take --prompt for --prompts-file,
-    and a later flag that shares a prefix would silently change what an old command line means)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, formatter_class=HelpFormatter, allow_abbrev=False, **kwargs)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dipaco", description="Train modular language models the DiPaCo way.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = Parser(prog="dipaco", description="Train modular language models the DiPaCo way.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    _add_pipeline_commands(sub)
+    _add_tool_commands(sub)
+    for p in sub.choices.values():
+        p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
 
+
+def _add_pipeline_commands(sub) -> None:
+    """The pipeline's commands: shard, train, eval, generate."""
     p = sub.add_parser("shard", help="route a corpus into per-path token shards")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE_OR_DIR",
                    help="JSON lines (.jsonl/.jsonl.gz), parquet, CSV or text files or directories, s3:// or gs:// URLs "
@@ -356,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --engine ray: the cluster to join ('auto' or the head's host:port); default: a local Ray")
     p.add_argument("--resume", action="store_true",
                    help="continue a killed run of the same command: reuse its committed blocks (beside --out, in .<out>.work)")
-    _config_args(p, C.ShardConfig, cmd_shard, example="routing.svd_dims=32")
+    config_args(p, C.ShardConfig, cmd_shard, example="routing.svd_dims=32")
 
     p = sub.add_parser("train", help="train path workers with DiLoCo-style module averaging")
     p.add_argument("--shards", required=True, help="shard directory from `dipaco shard`")
@@ -369,13 +359,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-going", action="store_true", help="with --engine ray --address: survive the loss of the "
                    "cluster (wait for it, then resume from what storage holds); ends when the run is done or on an "
                    "error that is not a loss of machines")
-    _config_args(p, C.TrainConfig, cmd_train, example="inner.lr=1e-3")
+    config_args(p, C.TrainConfig, cmd_train, example="inner.lr=1e-3")
 
     p = sub.add_parser("eval", help="routed perplexity on the held-out documents")
     p.add_argument("--run", action="append", required=True, metavar="[NAME=]RUN", help="run directory (repeatable)")
     p.add_argument("--shards", required=True, help="the shard directory the runs were trained on")
     p.add_argument("--out", required=True, help="report.json to write (report.md and PNG plots go beside it)")
-    _config_args(p, CC.EvalCommandConfig, cmd_eval, example="temperature=0.05")
+    config_args(p, CC.EvalCommandConfig, cmd_eval, example="temperature=0.05")
 
     p = sub.add_parser("generate", help="route a prompt and continue it with one path")
     p.add_argument("--run", required=True, help="run directory")
@@ -383,14 +373,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("words", nargs="*", metavar="PROMPT", help="prompt text, quoted (words without quotes form one prompt)")
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable: one prompt each)")
     p.add_argument("--prompts-file", help="text file, one prompt a line")
-    _config_args(p, CC.GenerateConfig, cmd_generate, example="top_p=0.9")
+    config_args(p, CC.GenerateConfig, cmd_generate, example="top_p=0.9")
 
+
+def _add_tool_commands(sub) -> None:
+    """The commands around the pipeline: routing choices, export, reshard, inspect, the quickstart."""
     p = sub.add_parser("fit-window-router", help="fit the router of every-W routing on the router documents")
     p.add_argument("--run", required=True, help="run directory (the router is saved in RUN/window_routers/w<W>)")
     p.add_argument("--shards", required=True, help="the shard directory the run was trained on")
     p.add_argument("--window", type=int, required=True, metavar="W", help="tokens per window, e.g. 64")
     p.add_argument("--overwrite", action="store_true", help="replace the run's window router for W")
-    _config_args(p, CC.WindowRouterConfig, cmd_fit_window_router, example="max_tokens=2048")
+    config_args(p, CC.WindowRouterConfig, cmd_fit_window_router, example="max_tokens=2048")
 
     p = sub.add_parser("choose-routing", help="choose how documents are routed once, on the router documents")
     p.add_argument("--run", required=True, help="run directory (the choice is saved in RUN/routing/once.json)")
@@ -413,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", required=True, help="the shard directory the run was trained on")
     p.add_argument("--out", required=True, help="new shard directory to create")
     p.add_argument("--overwrite", action="store_true", help="replace --out once the new shards are complete")
-    _config_args(p, CC.ReshardConfig, cmd_reshard, example="max_tokens=256")
+    config_args(p, CC.ReshardConfig, cmd_reshard, example="max_tokens=256")
 
     p = sub.add_parser("inspect", help="per-path summary of a shard directory (--png: and a plot of path sizes)")
     p.add_argument("shards", help="shard directory")
@@ -427,12 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="dipaco-quickstart",
                    help="output directory, new or empty (re-running continues in a quickstart directory)")
     add_flags(p, C.TrainConfig, only=("preset", "rounds", "inner_steps"), show_defaults=False)  # quickstart's own defaults
-    _set_arg(p, "inner.lr=1e-3")  # a key of `dipaco train`
+    set_arg(p, "inner.lr=1e-3")  # a key of `dipaco train`
     p.set_defaults(func=cmd_quickstart)
-
-    for p in sub.choices.values():
-        p.add_argument("--quiet", action="store_true", help="no progress bars")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -318,6 +318,10 @@ class RayConfig:
     'threads' is left at its default."""
     executors: int = 1
     """Outer-step executors (restartable Ray actors); the module groups are spread over them."""
+    sticky: bool = True
+    """A phase prefers the node that trained its trainee last (a soft affinity: another node when that one is busy or gone)
+    and reads the trainee state from that node's local cache, checked against its commit record's checksum;
+    storage keeps the durable copy, so a lost node costs a download, never bits."""
     gpus_per_phase: float = 1.0
     """With --device cuda (or auto on a cluster with GPUs): the GPUs a phase asks Ray for; a fraction (0.5) packs
     that many phases on one GPU."""

@@ -1,4 +1,5 @@
-"""Command-line flags generated from config dataclasses (config.py declares them with settings.flag).
+"""Command-line flags generated from config dataclasses (config.py declares them with settings.flag), and the parser
+every dipaco command is built with (``Parser``: no abbreviated flags; ``config_args``: --config and --set).
 
 A field declared ``flag(default)`` is also the flag ``--<name with dashes>`` (or the name given). Its help is
 the first sentence of the field's docstring, then its default and, where the flag's name differs from it, its
@@ -112,3 +113,25 @@ class HelpFormatter(argparse.HelpFormatter):
 def flags_of(args: argparse.Namespace) -> dict:
     """{dotted key: value} of the generated flags given on the command line."""
     return {k[len(FLAG_DEST):]: v for k, v in vars(args).items() if k.startswith(FLAG_DEST) and v is not None}
+
+
+class Parser(argparse.ArgumentParser):
+    """Every dipaco parser: our help layout, and no abbreviated flags (argparse would take --prompt for --prompts-file,
+    and a later flag that shares a prefix would silently change what an old command line means)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=HelpFormatter, allow_abbrev=False, **kwargs)
+
+
+def config_args(p: argparse.ArgumentParser, cls, func, example: str) -> None:
+    """The flags generated from ``cls``'s fields, then --config FILE and --set KEY=VALUE for every other key;
+    ``func`` runs the command."""
+    p.set_defaults(func=func)
+    add_flags(p, cls)
+    p.add_argument("--config", help="TOML file with config keys (defaults < preset < file < --set < flags)")
+    set_arg(p, example)
+
+
+def set_arg(p: argparse.ArgumentParser, example: str) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"override one config value, e.g. --set {example} (repeatable)")

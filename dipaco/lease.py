@@ -3,8 +3,8 @@
 A driver takes the lease by creating the object only if none exists (``Storage.create_if_absent``), and renews its
 heartbeat every ``BEAT_S`` seconds while it runs. A second driver is refused in one line naming the first. A dead
 driver's successor takes the lease over: at once when the holder ran on this machine and its process is gone, else
-once its heartbeat is ``EXPIRY_S`` seconds old. A ``--keep-going`` supervisor holds the lease for the drivers it
-starts (they inherit it through ``DIPACO_LEASE_OWNER``).
+once its heartbeat is ``EXPIRY_S`` seconds old (a ``--keep-going`` supervisor's drivers run on its machine, so each
+new one takes over from the one it stopped at once).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from dipaco.storage import Storage
 KEY = "lease.json"
 BEAT_S = 10.0
 EXPIRY_S = 60.0
-INHERIT = "DIPACO_LEASE_OWNER"
 
 
 def _alive(holder: dict) -> bool:
@@ -58,12 +57,8 @@ class Lease:
             return {}  # damaged: no one holds it
 
     def acquire(self) -> "Lease":
-        inherited = os.environ.get(INHERIT)
         for _ in range(5):
             holder = self.holder()
-            if holder is not None and inherited and holder.get("owner") == inherited:
-                self.owner = inherited  # our supervisor holds it and keeps it beating
-                return self
             if holder is None:
                 if self.storage.create_if_absent(KEY, self._body()):
                     self._thread = threading.Thread(target=self._beat, daemon=True, name="dipaco-lease")

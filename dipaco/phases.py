@@ -22,6 +22,7 @@ module (tests kill the process there, or leave a phase late for a quorum).
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import time
@@ -37,7 +38,8 @@ from dipaco.model import llama_config, new_model
 from dipaco.outer import OuterOptimizer, outer_gradient, sqrt_rescale
 from dipaco.quant import dequantize, quantize
 from dipaco.shards import ShardSet
-from dipaco.runstore import local_shards
+from dipaco.runstore import cache_root, local_shards
+from dipaco.storage import sha256
 from dipaco.taskstore import Damaged, TaskStore, state_bytes, tensors_bytes
 from dipaco.trainee import fixed_windows, inner_step, make_trainee, round_losses, validate
 
@@ -117,7 +119,10 @@ def run_phase(spec: PhaseSpec, node: str = "") -> dict:
     shards = _shards(spec.shards)
     tr = make_trainee(i, spec.path, spec.sources, spec.grid, shards, cfg, model=_model(cfg, shards, device))
     modules = _on(device, {m: store.load_tensors(r) for m, r in spec.modules.items()})
-    state = store.load_state(spec.state)  # AdamW's load_state_dict moves its moments to the parameters' device
+    cache = StateCache(spec.run, spec.lineage, i) if cfg.ray.sticky else None
+    state, cached = cache.load(spec.state) if cache else (None, False)
+    if state is None:
+        state = store.load_state(spec.state)  # AdamW's load_state_dict moves its moments to the parameters' device
     if not spec.exact_state:
         state["step"] = v * cfg.inner_steps
     tr.load_state(state)
@@ -149,13 +154,17 @@ def run_phase(spec: PhaseSpec, node: str = "") -> dict:
         flat = flatten(outer_gradient(g, tr.model.module_tensors(m)))
         deltas[m] = (flat if bits == 32 else quantize(flat, bits, block)).cpu()
     sent = sum(t.numel() * t.element_size() for t in deltas.values())
+    new_state = state_bytes(tr.state())
     objects = {"deltas.safetensors": store.put(base, attempt_id, "deltas.safetensors", tensors_bytes(deltas)),
-               "state.pt": store.put(base, attempt_id, "state.pt", state_bytes(tr.state()))}
+               "state.pt": store.put(base, attempt_id, "state.pt", new_state)}  # the durable copy, always
+    if cache:
+        cache.keep(new_state, objects["state.pt"]["sha256"])
     record = {"trainee": i, "path": spec.path, "version": v, "attempt": attempt, "train_loss": mean, "inner": logs,
               "val_loss": val, "bytes_sent": sent, "bytes_loaded": sum(t.numel() * t.element_size()
                                                                       for ts in modules.values() for t in ts.values()),
               "load_s": loaded - began, "val_s": validated - loaded, "compute_s": computed - validated,
-              "save_s": time.perf_counter() - computed, **where(), "node": node, **store.storage.counters()}
+              "save_s": time.perf_counter() - computed, **where(), "node": node, **store.storage.counters(),
+              "state_cached": cached}
     record["committed"] = store.commit(base, attempt_id, objects, record)  # last: the first attempt to commit wins
     return record
 
@@ -229,6 +238,35 @@ def _val_loss(store: TaskStore, shards: ShardSet, cfg: TrainConfig, path: str, s
     if val is not None:
         store.write_val(version, path, val)
     return val
+
+
+class StateCache:
+    """Trainee states kept on this node between its phases (sticky trainees): one file per trainee, named by its
+    sha256, which must equal the checksum the phase's input reference holds (a stale or damaged file is a miss)."""
+
+    def __init__(self, run: str, lineage: str, trainee: int):
+        self.dir = cache_root() / "states" / sha256(run.encode())[:16] / lineage
+        self.trainee = trainee
+
+    def load(self, r: dict) -> tuple[dict | None, bool]:
+        f = self.dir / f"trainee_{self.trainee}-{r['sha256']}.pt"
+        if not r["sha256"] or not f.is_file():
+            return None, False
+        data = f.read_bytes()
+        if sha256(data) != r["sha256"]:
+            return None, False
+        buf = io.BytesIO(data)
+        return torch.load(buf, map_location="cpu", weights_only=True), True
+
+    def keep(self, data: bytes, digest: str) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        final = self.dir / f"trainee_{self.trainee}-{digest}.pt"
+        tmp = final.with_name(f".{final.name}.{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, final)
+        for old in self.dir.glob(f"trainee_{self.trainee}-*.pt"):  # the newest state only
+            if old != final:
+                old.unlink(missing_ok=True)
 
 
 def retry_backoff(attempt: int) -> float:

@@ -76,7 +76,9 @@ def connect(address: str = "", cpus: int | None = None, env: dict | None = None)
     opts = dict(logging_level=logging.ERROR, log_to_driver=False, runtime_env={"env_vars": dict(env or {})})
     if not address:
         ray_constants.ENABLE_RAY_CLUSTER = False  # ray was imported before: the same switch, read when it starts
-        ray.init(num_cpus=cpus or os.cpu_count(), include_dashboard=False, object_store_memory=256 << 20, **opts)
+        # address="local": a new Ray of our own, never one that `ray start` left running on this machine
+        ray.init(address="local", num_cpus=cpus or os.cpu_count(), include_dashboard=False,
+                 object_store_memory=256 << 20, **opts)
         return {"address": ray.get_runtime_context().gcs_address, "local": True}
     why = reachable(address)
     if why:

@@ -21,9 +21,9 @@ are then dropped (not exact; the metrics name them).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -32,10 +32,11 @@ from pathlib import Path
 import ray
 import torch
 from ray.exceptions import RayTaskError, TaskCancelledError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm.auto import tqdm
 
 from dipaco import checkpoint
-from dipaco.config import TrainConfig, to_dict
+from dipaco.config import TrainConfig
 from dipaco.errors import DipacoError
 from dipaco.grid import format_grid
 from dipaco.io import log
@@ -45,7 +46,7 @@ from dipaco.outer import renormalised
 from dipaco.ray_cluster import connect
 from dipaco.phases import PhaseSpec, StepSpec, outer_step, run_phase, validate_path
 from dipaco.run import Plan, RunDirectory, build_grid, check_dense_source, init_from_dense
-from dipaco.runstore import assemble, choose_lineage, driver_mirror, local_shards, pull_run, push
+from dipaco.runstore import assemble, choose_lineage, config_digest, driver_mirror, local_shards, pull_run, push
 from dipaco.shards import ShardSet
 from dipaco.devices import phase_device, phase_resources
 from dipaco.storage import Storage
@@ -93,6 +94,7 @@ def train_ray(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, res
     start = directory.check(resume)  # bad input is refused before any Ray process starts
     if cfg.init_from:
         check_dense_source(cfg.init_from, shards)
+    # tasks see the driver's object-store settings (an endpoint, credentials where the nodes have none of their own)
     env = {k: v for k, v in os.environ.items() if k.startswith(("DIPACO_TEST_", "AWS_", "DIPACO_CACHE"))}
     with Lease(location):
         connect(cfg.ray.address, workers, env)
@@ -114,6 +116,8 @@ def train_ray(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, res
             stats = queue.run()
         finally:
             ray.shutdown()
+            if storage.remote:  # the driver's local view of a run in a bucket
+                shutil.rmtree(local, ignore_errors=True)
     return {"run": location, "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(plan.trainees),
             "workers": cpus, "engine": "ray", "device": device, **stats}
 
@@ -124,16 +128,6 @@ def _interrupt(signum, frame):
 
 def _say(line: str) -> None:
     print(f"dipaco train: {line}", file=sys.stderr, flush=True)
-
-
-def config_digest(cfg: TrainConfig, schedule_steps: int) -> str:
-    """What decides the bits a queue holds: a queue grown under another digest is not read."""
-    d = to_dict(cfg)
-    keep = {k: d[k] for k in ("model", "grid", "inner", "outer", "seed", "inner_steps")}
-    keep["threads"] = cfg.trainee_threads
-    keep["comm"] = {k: d["comm"][k] for k in ("bits", "block_size")}
-    keep["schedule_steps"] = schedule_steps
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def begin_run(cfg, shards, grid, plan, directory: RunDirectory, storage: Storage, cpus: int) -> None:
@@ -186,6 +180,7 @@ class TaskQueue:
         self.done = {(i, v) for i, v in self.phase_commits if v < self.R and i < self.T and (i, v) not in self.dropped}
         self.versions = {(g, v) for g, v in self.step_commits if g in self.groups and start < v <= self.R}
         self.vals: dict[tuple[str, int], float | None] = {}
+        self.last_node: dict[int, str] = {}  # trainee -> the node of its last committed phase (sticky trainees)
         self.inflight: dict = {}  # ObjectRef -> ("phase", i, v) | ("step", g, v) | ("val", path, v)
         self.quorum_since: dict[tuple[str, int], float] = {}
         self.logged = logged_rounds(local)
@@ -268,8 +263,10 @@ class TaskQueue:
         After a dropped phase it is the state from before that phase (not exact: its step is moved to the round's)."""
         u = v
         while True:
-            if u in self.checkpoints:
-                return ref(f"checkpoints/round_{u}/state/trainee_{i}.pt"), u == v
+            if u in self.checkpoints:  # assembled from this queue: the phase's checksum holds for the copy too
+                body = self.phase_commits.get((i, u - 1)) if (i, u - 1) not in self.dropped else None
+                digest = body["objects"]["state.pt"]["sha256"] if body and "state.pt" in body["objects"] else ""
+                return ref(f"checkpoints/round_{u}/state/trainee_{i}.pt", digest), u == v
             if (i, u - 1) not in self.dropped:
                 key = self.store.phase_key(u - 1, i)
                 return self.store.object_ref(key, self.phase_commits[(i, u - 1)], "state.pt"), u == v
@@ -282,7 +279,12 @@ class TaskQueue:
         validate = v > self.start and self.validator.get(path) == i and (path, v) not in self.validated
         spec = PhaseSpec(self.store.run, self.store.lineage, self.shards_location, self.cfg, self.grid, i, path, sources, v,
                          self.schedule, files, state, exact, validate, self.val_sources[path], self.device)
-        self.inflight[_phase.options(**self.task_options).remote(spec)] = ("phase", i, v)
+        options = dict(self.task_options)
+        node = self.last_node.get(i)
+        if self.cfg.ray.sticky and node:  # where its state is cached, when that node has a free CPU now (a busy or
+            # lost node never holds a phase back: the queue stays elastic, a miss costs one download)
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True, _spill_on_unavailable=True)
+        self.inflight[_phase.options(**options).remote(spec)] = ("phase", i, v)
 
     def launch_step(self, g: str, v: int) -> None:
         contributors = [i for i in self.members[g] if (i, v) in self.done]
@@ -314,6 +316,7 @@ class TaskQueue:
                               f"(without limit, the default)") from None
         if kind == "phase" and (who, v) not in self.dropped:
             self.phase_commits[(who, v)] = self.store.read_commit(self.store.phase_key(v, who))
+            self.last_node[who] = result["node"] if result.get("committed") else self.last_node.get(who)
             self.done.add((who, v))
             self.bar.update(self.H)
         elif kind == "step":
@@ -406,7 +409,7 @@ class TaskQueue:
             self.counts["retried"] += len(tries) > 1
             phases.append({k: info[k] for k in ("trainee", "path", "node", "host", "pid", "load_s", "val_s", "compute_s",
                                                 "save_s", "bytes_sent", "bytes_loaded")} | {"attempts": len(tries)}
-                          | {k: info.get(k, 0) for k in ("storage_read", "storage_written")})
+                          | {k: info.get(k, 0) for k in ("storage_read", "storage_written", "state_cached")})
         losses = [x for x in by_trainee if x is not None]
         steps = [self.step_commits[(g, v)]["record"] for g in self.groups]
         tokens = len(losses) * self.H * self.cfg.inner.batch_size * self.cfg.model.max_seq_len

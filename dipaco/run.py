@@ -21,7 +21,7 @@ from dipaco.devices import resolve_device
 from dipaco.errors import DipacoError
 from dipaco.grid import Grid, format_grid, parse_grid
 from dipaco.io import atomic_write_text, read_json, write_json
-from dipaco.model import PathModel, llama_config
+from dipaco.model import PathModel, count_parameters, init_modules, llama_config
 from dipaco.outer import module_weights
 from dipaco.shards import ShardSet
 
@@ -287,3 +287,16 @@ def init_from_dense(modules: dict, source: str | Path, shards=None) -> None:
                 raise DipacoError(f"--init-from {source}: {n} has shape {tuple(dense[n].shape)}, this run needs "
                                   f"{tuple(t.shape)}; use the same model config and tokenizer as the dense model")
             t.copy_(dense[n])
+
+
+def initial_modules(cfg: TrainConfig, grid: Grid, shards: ShardSet, first_path: str,
+                    keep: set[str] | None = None) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, int]]:
+    """Round 0's global weights of the modules in ``keep`` (all when None): every module from one seeded dense model,
+    or, with ``cfg.init_from``, from that dense run's weights; and the parameter counts of run.json (``total``: every
+    module, ``per_path``: the modules of ``first_path``)."""
+    every = init_modules(grid, llama_config(cfg.model, shards.vocab_size, shards.eos_token_id), cfg.seed)
+    counts = {"total": count_parameters(every), "per_path": count_parameters(every, grid.path_modules(first_path))}
+    modules = every if keep is None else {m: t for m, t in every.items() if m in keep}
+    if cfg.init_from:
+        init_from_dense(modules, cfg.init_from, shards)
+    return modules, counts

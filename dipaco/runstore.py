@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dipaco import checkpoint
+from dipaco.config import TrainConfig, to_dict
 from dipaco.storage import Storage, is_url
 from dipaco.taskstore import TaskStore, state_bytes, tensors_bytes
 
@@ -76,6 +77,16 @@ def assemble(store: TaskStore, local: Path, v: int, modules: dict[str, dict], ou
 
 
 # ------------------------------------------------------------------------------------------ the queue's lineage
+def config_digest(cfg: TrainConfig, schedule_steps: int) -> str:
+    """What decides the bits a queue holds: a queue grown under another digest is not read."""
+    d = to_dict(cfg)
+    keep = {k: d[k] for k in ("model", "grid", "inner", "outer", "seed", "inner_steps")}
+    keep["threads"] = cfg.trainee_threads
+    keep["comm"] = {k: d["comm"][k] for k in ("bits", "block_size")}
+    keep["schedule_steps"] = schedule_steps
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def choose_lineage(storage: Storage, start: int, digest: str, start_meta: dict, say) -> str:
     """The queue lineage a driver starting from checkpoint ``start`` may use: the stored one when it grew from that
     checkpoint (its base, or a round assembled from it) under the same config ``digest``; else a new one, and every

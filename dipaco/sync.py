@@ -1,4 +1,4 @@
-"""The outer sync of one worker's modules, in two phases after every inner step (``after_step``):
+"""The outer sync of one worker's modules, in two parts after every inner step (``after_step``):
 
   ``prepare(t)``  the fragments due after global step t (``streaming.syncs_at``): every trainee's outer
                   gradient ``Δ_i = θ_global − θ_i`` (``outer.outer_gradient``), and the world starts averaging
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from dipaco.comm import Handle, Ready, World
-from dipaco.outer import OuterOptimizer, outer_gradient, sqrt_rescale
+from dipaco.engine_steps import rescale_and_step
+from dipaco.outer import OuterOptimizer, outer_gradient
 from dipaco.streaming import merge, split_fragments, syncs_at
 
 
@@ -86,9 +87,7 @@ class ModuleSync:
             averaged = p.handle.wait()
             self.pending.remove(p)
             for m, grad in averaged.items():
-                if self.sqrt:
-                    sqrt_rescale(grad, self.paths_through[m])
-                self.outer.step(m, grad)
+                rescale_and_step(self.outer, m, grad, self.sqrt, self.paths_through[m])
                 for i in self.weights[m]:
                     local = self.trainees[i].model.params
                     for n in grad:

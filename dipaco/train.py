@@ -31,12 +31,13 @@ from tqdm.auto import tqdm
 from dipaco import checkpoint
 from dipaco.comm import World, make_world
 from dipaco.config import TrainConfig
+from dipaco.engine_steps import inner_record, round_line
 from dipaco.grid import Grid, format_grid
 from dipaco.io import log, write_json
-from dipaco.model import PathModel, count_parameters, init_modules, llama_config, new_model
+from dipaco.model import PathModel, llama_config, new_model
 from dipaco.outer import OuterOptimizer
 from dipaco.devices import deterministic, resolve_device
-from dipaco.run import Plan, RunDirectory, build_grid, init_from_dense
+from dipaco.run import Plan, RunDirectory, build_grid, initial_modules
 from dipaco.shards import ShardSet
 from dipaco.sync import ModuleSync
 from dipaco.trainee import Trainee, fixed_windows, inner_step, make_trainee, round_losses, validate
@@ -92,14 +93,8 @@ class Worker:
         mine = [i for i, r in enumerate(plan.ranks) if r == world.rank]
         trainees = [make_trainee(i, *plan.trainees[i], grid, shards, cfg, device) for i in mine]
         world.setup(plan.holders())
-        config = llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)
-        held = [m for m in plan.weights if world.rank in plan.holder_ranks(m)]
-        every = init_modules(grid, config, cfg.seed)
-        counts = {"total": count_parameters(every), "per_path": count_parameters(every, grid.path_modules(plan.paths[0]))}
-        modules = {m: t for m, t in every.items() if m in held}
-        del every
-        if cfg.init_from:
-            init_from_dense(modules, cfg.init_from, shards)
+        held = {m for m in plan.weights if world.rank in plan.holder_ranks(m)}
+        modules, counts = initial_modules(cfg, grid, shards, plan.paths[0], keep=held)
         modules = {m: {n: t.to(device) for n, t in ts.items()} for m, ts in modules.items()}
         outer = OuterOptimizer(modules, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
         sync = ModuleSync(cfg, modules, outer, trainees, plan.weights, {m: len(grid.paths_through(m)) for m in modules}, world)
@@ -133,10 +128,8 @@ class Worker:
         for tr in self.trainees:
             loss = inner_step(tr, self.cfg, schedule_steps)
             self.step_losses[tr.index].append(loss)
-            if self.cfg.log_every and tr.step % self.cfg.log_every == 0:
-                self.inner_logs.append(dict(kind="inner", round=(t - 1) // self.cfg.inner_steps + 1, step=tr.step,
-                                            trainee=tr.index, path=tr.path, loss=loss,
-                                            lr=tr.optimizer.param_groups[0]["lr"]))
+            if record := inner_record(self.cfg, tr, (t - 1) // self.cfg.inner_steps + 1, loss):
+                self.inner_logs.append(record)
         self.compute += time.perf_counter() - tic
 
     def round_report(self) -> dict:
@@ -216,9 +209,7 @@ def log_round(metrics, r: int, report: list[dict], cfg: TrainConfig, num_trainee
     seconds = max(p["seconds"] for p in report)
     tokens = cfg.inner_steps * num_trainees * cfg.inner.batch_size * cfg.model.max_seq_len
     by_rank = {k: [p[k] for p in report] for k in ("bytes_sent", "bytes_received", "compute_s", "comm_s", "wait_s")}
-    log(metrics, kind="round", round=r, train_loss=sum(losses) / len(losses), train_loss_by_trainee=losses,
-        val_loss=val, val_loss_mean=(sum(val.values()) / len(val)) if val else None, seconds=seconds, tokens=tokens,
-        tokens_per_s=tokens / seconds, workers=len(report), bytes_sent=sum(by_rank["bytes_sent"]),
-        bytes_received=sum(by_rank["bytes_received"]), compute_s=sum(by_rank["compute_s"]) / len(report),
-        comm_s=sum(by_rank["comm_s"]) / len(report), wait_s=sum(by_rank["wait_s"]) / len(report),
-        by_worker=by_rank)
+    log(metrics, **round_line(r, losses, val, seconds, tokens, len(report), sum(by_rank["bytes_sent"]),
+                              sum(by_rank["bytes_received"]), compute_s=sum(by_rank["compute_s"]) / len(report),
+                              comm_s=sum(by_rank["comm_s"]) / len(report), wait_s=sum(by_rank["wait_s"]) / len(report),
+                              by_worker=by_rank))

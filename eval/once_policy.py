@@ -63,6 +63,11 @@ class OnceRule:
         """Only one path's model is needed (prefix-loss runs every path over the routing context)."""
         return self.kind == "shard-router"
 
+    def forward_passes(self, paths: int) -> int:
+        """Model forward passes per routing-context token (never scored): the shard router reads features, not the
+        model (0); prefix-loss runs every one of ``paths`` paths over the context. Scored tokens take one pass either way."""
+        return 0 if self.kind == "shard-router" else paths
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -85,6 +85,11 @@ class Rule:
         """It runs one path per chunk, as routing once does (lagged-loss scores every path)."""
         return self.kind != "lagged-loss"
 
+    def forward_passes(self, paths: int) -> int:
+        """Model forward passes per scored token, relative to routing once (one path reads each token): lagged-loss
+        runs every one of ``paths`` paths over the text; the routers read features, not the model."""
+        return paths if self.kind == "lagged-loss" else 1
+
     def to_dict(self) -> dict:
         return asdict(self)
 

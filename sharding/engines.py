@@ -12,8 +12,10 @@ the engine only decides where it runs: the bytes are the same on any engine and 
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -32,6 +34,9 @@ def worker_env() -> dict[str, str]:
 
 def _init_worker(env: dict[str, str]) -> None:
     os.environ.update(env)
+    # pass 2's modules (torch, transformers, faiss: seconds to import) load in the background while the
+    # worker scans and the driver fits, instead of delaying the worker's first pass-2 block
+    threading.Thread(target=importlib.import_module, args=("dipaco.sharding.parts",), daemon=True).start()
 
 
 class Engine:

@@ -69,7 +69,7 @@ def _test_delay(block: Block, work: Path) -> None:
     time.sleep(float(spec.split(":")[1]))
 
 
-def part_block(block: Block, cfg: ShardConfig, work: str, fits: Fits, fingerprint: str, dups: list[int]) -> dict:
+def part_block(block: Block, cfg: ShardConfig, work: str, fits: Fits, fingerprint: str, dups) -> dict:
     """Tokenize, route and write one block into ``work/parts/<block>``; returns its meta."""
     final = Path(work) / "parts" / block.name
     if (meta := read_meta(final)) is not None:
@@ -117,7 +117,7 @@ def part_block(block: Block, cfg: ShardConfig, work: str, fits: Fits, fingerprin
         pending.append((future, list(batch)))
         batch.clear()
 
-    skip, position = iter(dups), 0
+    skip, position = iter(int(p) for p in dups), 0  # dups: the block's duplicates' positions, ascending
     next_dup = next(skip, -1)
     try:
         for text, label in block_rows(block, cfg):

@@ -26,8 +26,8 @@ from typing import Iterator
 import dipaco
 from dipaco.config import ShardConfig, to_dict
 from dipaco.errors import DipacoError
-from dipaco.sharding.readers import READERS, RemoteFile, missing_column, open_binary
-from dipaco.sharding.sources import _rows_hub, _rows_saved, expand_inputs
+from dipaco.sharding.readers import READERS, RemoteFile, open_binary
+from dipaco.sharding.sources import _rows_hub, _rows_saved, expand_inputs, load_saved
 
 ALIGN_READ = 1 << 16  # bytes read at a time while looking for the newline that ends a range
 
@@ -157,19 +157,7 @@ def _row_group_runs(f, block: int) -> list[tuple[int, int]]:
 
 
 def _saved_ranges(path: Path, cfg: ShardConfig) -> list[tuple[int, int, str]]:
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except Exception as exc:  # datasets raises many types for a damaged directory
-        raise DipacoError(f"cannot load the saved dataset {path} ({str(exc).splitlines()[0][:200]}); "
-                          f"save it again with save_to_disk, or write it as JSON lines with to_json") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if cfg.data.split not in ds:
-            raise DipacoError(f"saved dataset {path} has no split {cfg.data.split!r} (splits: {', '.join(ds)}); pass --split")
-        ds = ds[cfg.data.split]
-    if cfg.data.text_column not in ds.column_names:
-        raise missing_column(path, cfg.data.text_column, ds.column_names)
+    ds = load_saved(path, cfg.data.split, cfg.data.text_column)
     rows, nbytes = ds.num_rows, max(1, ds.data.nbytes)
     step = max(1, rows * cfg.data.block_bytes // nbytes)
     stamp = f"{rows}:{ds._fingerprint}"

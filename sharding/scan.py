@@ -12,7 +12,7 @@ A block's scan part (``WORK/scan/<block>/``, committed by renaming a finished te
 Exact dedup is global and exact: a document is a duplicate when an equal digest comes earlier in the global
 order (an earlier block, or earlier in its block), so the first copy wins whatever the split. The check runs
 per range of buckets (``dedup_buckets``), each a task holding only its share of the digests as numpy arrays
-(24 bytes per document), never a Python set of the corpus.
+(about 75 bytes per document while sorting, at most ``DEDUP_DOCS_PER_TASK`` per task), never a Python set.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dipaco.sharding.sources import DocumentFilter
 
 SAMPLE_CHARS = 4096  # a sampled document keeps this many characters (tokenizer training, router fit)
 BUCKETS = 256  # digests are grouped by their first byte
-DEDUP_DOCS_PER_TASK = 8_000_000  # ~200 MB of arrays per dedup task
+DEDUP_DOCS_PER_TASK = 4_000_000  # a dedup task holds about 75 bytes per digest of its buckets: ~300 MB
 
 
 def peak_rss_mb() -> float:
@@ -155,7 +155,7 @@ def join(work: str, blocks: list[Block], metas: list[dict], cfg: ShardConfig, ru
         for k, v in m["dropped"].items():
             dropped[k] = dropped.get(k, 0) + v
     kept = sum(m["kept"] for m in metas)
-    dups: dict[str, list[int]] = {}
+    dups: dict[str, list] = {}  # block name -> positions of its duplicates (int64 arrays: 8 bytes per duplicate)
     cands = np.zeros(4, dtype=np.int64)
     rss = []
     if d.dedup:
@@ -163,8 +163,8 @@ def join(work: str, blocks: list[Block], metas: list[dict], cfg: ShardConfig, ru
             cands += res["cands"]
             rss.append(res["peak_rss_mb"])
             for name, positions in res["dups"].items():
-                dups.setdefault(name, []).extend(int(p) for p in positions)
-        dups = {k: sorted(v) for k, v in dups.items()}
+                dups.setdefault(name, []).append(np.asarray(positions, dtype=np.int64))
+        dups = {k: np.sort(np.concatenate(v)) for k, v in dups.items()}
     else:
         for name in names:
             cands += np.bincount(np.load(Path(work) / "scan" / name / "cands.npy"), minlength=4)

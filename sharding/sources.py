@@ -141,10 +141,9 @@ def _rows_hub(name: str, split: str, column: str, label_column: str) -> Iterator
         yield row.get(column), row.get(label_column)
 
 
-def _rows_saved(path: Path, split: str, column: str, label_column: str,
-                rows: tuple[int, int] | None = None) -> Iterator[tuple[object, object]]:
-    """Rows of a ``save_to_disk`` directory, read with ``datasets.load_from_disk`` (memory-mapped, streamed);
-    ``rows``: only rows [start, end)."""
+def load_saved(path: Path, split: str, column: str):
+    """The ``split`` of a ``save_to_disk`` directory (``datasets.load_from_disk``: memory-mapped), checked to
+    hold ``column``."""
     import datasets
 
     try:
@@ -158,6 +157,13 @@ def _rows_saved(path: Path, split: str, column: str, label_column: str,
         ds = ds[split]
     if column not in ds.column_names:
         raise missing_column(path, column, ds.column_names)
+    return ds
+
+
+def _rows_saved(path: Path, split: str, column: str, label_column: str,
+                rows: tuple[int, int] | None = None) -> Iterator[tuple[object, object]]:
+    """Rows of a ``save_to_disk`` directory, streamed; ``rows``: only rows [start, end)."""
+    ds = load_saved(path, split, column)
     cols = [c for c in (column, label_column) if c in ds.column_names]
     if rows is not None:
         ds = ds.select(range(*rows))

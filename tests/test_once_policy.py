@@ -237,3 +237,10 @@ def test_a_damaged_rule_is_one_line_and_its_command_rewrites_it(tmp_path_factory
     assert main([*commands["fit-window-router"], "--overwrite"]) == 0
     assert json.loads(policy.read_text())["split"] == "router_docs"
     assert main(commands["generate"]) == 0
+
+
+def test_once_forward_passes_on_the_routing_context():
+    from dipaco.eval.once_policy import OnceRule
+
+    assert OnceRule("shard-router").forward_passes(4) == 0  # features only
+    assert OnceRule("prefix-loss").forward_passes(4) == 4 == OnceRule("prefix-loss", prior=True).forward_passes(4)

@@ -109,17 +109,14 @@ def test_two_local_processes_write_the_same_bytes(corpus, reference, tmp_path):
 
 
 def test_ray_on_two_nodes_writes_the_same_bytes_through_a_lost_worker(corpus, reference, ray_cluster, tmp_path):
-    out = tmp_path / "s"
-    finish(cli(corpus, out, "--engine", "ray", "--address", ray_cluster.address))
-    assert json.loads((out / "manifest.json").read_text())["execution"]["engine"] == "ray"
-    assert digests(out) == digests(reference)
-    # block 3's first attempt sleeps mid-block; its worker process is SIGKILLed; Ray retries it elsewhere
-    killed = tmp_path / "k"
-    proc = cli(corpus, killed, "--engine", "ray", "--address", ray_cluster.address,
-               env={"DIPACO_SHARD_TEST_DELAY": "3:60"})
+    # block 3's first attempt sleeps mid-block; its worker process is SIGKILLed; Ray retries it on a live worker
+    out = tmp_path / "k"
+    proc = cli(corpus, out, "--engine", "ray", "--address", ray_cluster.address, env={"DIPACO_SHARD_TEST_DELAY": "3:60"})
     os.kill(wait_for(tmp_path / ".k.work" / "test-delay-000003.pid", proc), signal.SIGKILL)
     finish(proc)
-    assert digests(killed) == digests(reference)
+    execution = json.loads((out / "manifest.json").read_text())["execution"]
+    assert (execution["engine"], execution["workers"]) == ("ray", 2)
+    assert digests(out) == digests(reference)
 
 
 def test_a_killed_driver_resumes_to_the_same_bytes(corpus, reference, tmp_path):

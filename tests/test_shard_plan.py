@@ -50,3 +50,28 @@ def test_url_without_its_backend_is_one_line_naming_the_extra():
     with pytest.raises(DipacoError) as err:
         make_plan(["gs://some-bucket/corpus/"], _cfg(1 << 20))
     assert "pip install 'dipaco[gcs]'" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_saved_dataset_is_cut_into_row_ranges(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"text": f"saved document {i} " + "y" * (i % 50), "domain": "d"} for i in range(300)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    cfg = _cfg(2000)
+    blocks = make_plan([str(tmp_path / "saved")], cfg)
+    assert len(blocks) > 3 and all(b.fmt == "saved" for b in blocks)
+    assert [row for b in blocks for row in block_rows(b, cfg)] == [(r["text"], r["domain"]) for r in rows]
+
+
+def test_engine_ray_without_ray_is_one_line(monkeypatch):
+    import sys
+
+    from dipaco.sharding.engines import make_engine
+
+    for name in ("ray", "dipaco.ray_tasks", "dipaco.ray_cluster"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if the ray extra were not installed
+    with pytest.raises(DipacoError) as err:
+        make_engine("ray", 2, "", 4)
+    assert "pip install -e '.[ray]'" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(DipacoError) as err:
+        make_engine("local", 2, "10.0.0.5:6379", 4)
+    assert "--engine ray" in str(err.value)

@@ -91,3 +91,42 @@ def test_keep_going_needs_an_address_and_resume_needs_a_run(tmp_path, capsys):
     assert rc == 2 and "holds no run" in capsys.readouterr().err and not (tmp_path / "nowhere").exists()
     rc = main(["train", "--shards", str(tmp_path / "none"), "--out", "s3://bucket/run"])
     assert rc == 2 and "add --engine ray" in capsys.readouterr().err
+
+
+def test_shards_from_a_url_are_copied_once_per_machine(tmp_path, monkeypatch):
+    from dipaco.runstore import local_shards
+
+    monkeypatch.setenv("DIPACO_CACHE", str(tmp_path / "cache"))
+    url = f"memory://dipaco-shards-{os.getpid()}-{time.time_ns()}/s2x2"
+    s = Storage(url)
+    s.write("manifest.json", b'{"format": "dipaco-shards"}')
+    s.write("paths/0-0/train.bin", b"\x01\x02")
+    local = local_shards(url)
+    assert (local / "paths" / "0-0" / "train.bin").read_bytes() == b"\x01\x02" and (local / "manifest.json").is_file()
+    s.write("paths/0-0/train.bin", b"changed")  # a whole copy is not fetched again
+    assert local_shards(url) == local and (local / "paths" / "0-0" / "train.bin").read_bytes() == b"\x01\x02"
+    assert local_shards(str(tmp_path)) == tmp_path
+
+
+def test_a_bucket_prefix_holding_someone_elses_objects_is_refused(capsys):
+    url = f"memory://dipaco-out-{os.getpid()}-{time.time_ns()}/prefix"
+    Storage(url).write("notes.txt", b"mine")
+    rc = main(["train", "--shards", "none", "--out", url, "--engine", "ray"])
+    assert rc == 2 and "holds objects dipaco did not write (notes.txt)" in capsys.readouterr().err
+    assert Storage(url).read("notes.txt") == b"mine"
+
+
+def test_a_removed_latest_resumes_from_the_highest_complete_round_and_garbage_advises_no_loss(tmp_path):
+    """Item 5: `checkpoints/latest` removed (as an earlier message advised) must not restart a run from round 0 over
+    its rounds; a garbage one is refused with advice that keeps every round."""
+    from dipaco import checkpoint
+
+    for r in (0, 1, 2, 3):
+        (tmp_path / "checkpoints" / f"round_{r}" / "state").mkdir(parents=True)
+        if r != 3:  # round 3: no meta.json, not complete
+            (tmp_path / "checkpoints" / f"round_{r}" / "state" / "meta.json").write_text("{}")
+    assert checkpoint.latest_round(tmp_path) == 2
+    (tmp_path / "checkpoints" / "latest").write_text("\x00garbage")
+    with pytest.raises(DipacoError) as exc:
+        checkpoint.latest_round(tmp_path)
+    assert "write round_2" in str(exc.value) and "remove it" not in str(exc.value) and "\n" not in str(exc.value)

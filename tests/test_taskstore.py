@@ -159,3 +159,22 @@ def test_without_ray_the_engine_says_how_to_install_it(tmp_path, capsys, monkeyp
     monkeypatch.delitem(sys.modules, "dipaco.ray_engine", raising=False)
     rc = main(["train", "--shards", str(tmp_path / "none"), "--out", str(tmp_path / "run"), "--engine", "ray"])
     assert rc == 2 and "pip install -e '.[ray]'" in capsys.readouterr().err
+
+
+def test_a_sticky_trainees_state_comes_from_the_node_cache_only_when_its_checksum_matches(tmp_path, monkeypatch):
+    from dipaco.phases import StateCache
+    from dipaco.storage import sha256
+    from dipaco.taskstore import state_bytes
+
+    monkeypatch.setenv("DIPACO_CACHE", str(tmp_path / "cache"))
+    cache = StateCache("s3://bucket/run", "L", 3)
+    first, second = state_bytes({"step": 1}), state_bytes({"step": 2})
+    cache.keep(first, sha256(first))
+    assert cache.load(ref("k", sha256(first))) == ({"step": 1}, True)
+    cache.keep(second, sha256(second))  # the newest state only
+    assert cache.load(ref("k", sha256(first))) == (None, False)
+    assert cache.load(ref("k", "")) == (None, False)  # no checksum to check it against: storage
+    f = next(cache.dir.glob("trainee_3-*.pt"))
+    f.write_bytes(b"damaged")
+    assert cache.load(ref("k", sha256(second))) == (None, False)
+    assert StateCache("s3://bucket/other", "L", 3).load(ref("k", sha256(second))) == (None, False)

@@ -110,3 +110,12 @@ def test_the_cross_fitted_oracle_chooses_on_one_half_and_scores_the_other():
     plain = np.mean([c.sum(axis=1).min() for c in noise]) / 64
     crossed = np.mean([cross_fitted_oracle_nll(c) for c in noise]) / 64
     assert plain < 4.9 and abs(crossed - 5.0) < 0.02  # the min of 4 sums sits ~1 sd (8/64 nats) below
+
+
+def test_forward_passes_per_token_relative_to_routing_once():
+    # only lagged-loss runs every path over the text; the routers read features, so they cost what routing once costs
+    assert {r.name: r.forward_passes(4) for r in candidates(64, 32, True) if r.kind != "lagged-loss"} == \
+        {"stay": 1, "shard-router L=32": 1, "shard-router L=64": 1, "window-router m=0": 1, "window-router m=0.1": 1,
+         "window-router m=0.2": 1, "window-router m=0.4": 1}
+    assert Rule("lagged-loss", 0.1, 2).forward_passes(4) == 4 and Rule("lagged-loss").forward_passes(16) == 16
+    assert all(r.one_path == (r.forward_passes(4) == 1) for r in candidates(64, 32, True))
