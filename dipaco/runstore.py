@@ -157,9 +157,11 @@ def push(local: Path, storage: Storage, names: list[str]) -> None:
             storage.write(str(f.relative_to(local)), f.read_bytes())
 
 
-def local_shards(location: str | Path) -> Path:
+def local_shards(location: str | Path | None) -> Path | None:
     """A shard directory on this machine: the path itself, or for a URL a copy made once per machine (a marker file
-    written last says the copy is whole)."""
+    written last says the copy is whole). None (no --shards: the run's own record names them) stays None."""
+    if location is None:
+        return None
     if not is_url(str(location)):
         return Path(location)
     local = _cache_dir("shards", str(location))
