@@ -35,7 +35,8 @@ from dipaco.config import TrainConfig
 from dipaco.devices import deterministic
 from dipaco.grid import Grid
 from dipaco.model import llama_config, new_model
-from dipaco.outer import OuterOptimizer, outer_gradient, sqrt_rescale
+from dipaco.engine_steps import inner_record, rescale_and_step
+from dipaco.outer import OuterOptimizer, outer_gradient
 from dipaco.quant import dequantize, quantize
 from dipaco.shards import ShardSet
 from dipaco.runstore import cache_root, local_shards
@@ -141,9 +142,8 @@ def run_phase(spec: PhaseSpec, node: str = "") -> dict:
             time.sleep(delay)
         loss = inner_step(tr, cfg, spec.schedule_steps)
         losses.append(loss)
-        if cfg.log_every and tr.step % cfg.log_every == 0:
-            logs.append(dict(kind="inner", round=v + 1, step=tr.step, trainee=i, path=spec.path, loss=loss,
-                             lr=tr.optimizer.param_groups[0]["lr"]))
+        if (record := inner_record(cfg, tr, v + 1, loss)) is not None:
+            logs.append(record)
     mean = round_losses({i: losses}, logs, H)[i]
     computed = time.perf_counter()
 
@@ -199,9 +199,7 @@ def outer_step(spec: StepSpec, node: str = "") -> dict:
                 received += sent.numel() * sent.element_size()
                 vectors[i] = sent if bits == 32 else dequantize(sent, numel, bits, block)
             grad = unflatten(reduce_arrived(vectors, spec.weights[m], bits, block), tensors)
-            if cfg.grid.sqrt_rescale:
-                sqrt_rescale(grad, spec.paths_through[m])
-            outer.step(m, grad)
+            rescale_and_step(outer, m, grad, cfg.grid.sqrt_rescale, spec.paths_through[m])
         objects[f"{m}.safetensors"] = store.put(base, attempt_id, f"{m}.safetensors", tensors_bytes(tensors))
         if delay:  # a test kills the executor here
             time.sleep(delay)

@@ -37,18 +37,19 @@ from tqdm.auto import tqdm
 
 from dipaco import checkpoint
 from dipaco.config import TrainConfig
+from dipaco.devices import phase_device, phase_resources
+from dipaco.engine_steps import round_line
 from dipaco.errors import DipacoError
 from dipaco.grid import format_grid
 from dipaco.io import log
 from dipaco.lease import Lease
-from dipaco.model import PathModel, count_parameters, init_modules, llama_config
+from dipaco.model import PathModel, llama_config
 from dipaco.outer import renormalised
 from dipaco.ray_cluster import connect
 from dipaco.phases import PhaseSpec, StepSpec, outer_step, run_phase, validate_path
-from dipaco.run import Plan, RunDirectory, build_grid, check_dense_source, init_from_dense
+from dipaco.run import Plan, RunDirectory, build_grid, check_dense_source, initial_modules
 from dipaco.runstore import assemble, choose_lineage, config_digest, driver_mirror, local_shards, pull_run, push
 from dipaco.shards import ShardSet
-from dipaco.devices import phase_device, phase_resources
 from dipaco.storage import Storage
 from dipaco.taskstore import Damaged, TaskStore, groups, ref
 from dipaco.trainee import make_trainee
@@ -134,15 +135,11 @@ def begin_run(cfg, shards, grid, plan, directory: RunDirectory, storage: Storage
     """A new run: config.toml, run.json and round 0 (the initial modules and fresh trainee states), as the sync
     engine writes them (then uploaded, for a run in a bucket); the trainees are built on the meta device (no weights:
     only their optimizer and data state)."""
-    config = llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)
-    modules = init_modules(grid, config, cfg.seed)
-    if cfg.init_from:
-        init_from_dense(modules, cfg.init_from, shards)
+    modules, parameters = initial_modules(cfg, grid, shards, plan.paths[0])
     with torch.device("meta"):
-        skeleton = PathModel(grid, plan.paths[0], config).model
+        skeleton = PathModel(grid, plan.paths[0], llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)).model
     states = [make_trainee(i, p, s, grid, shards, cfg, model=skeleton).state() for i, (p, s) in enumerate(plan.trainees)]
-    directory.create(grid, plan, cpus, {"total": count_parameters(modules),
-                                        "per_path": count_parameters(modules, grid.path_modules(plan.paths[0]))})
+    directory.create(grid, plan, cpus, parameters)
     checkpoint.save_round(directory.root, 0, modules, {}, states, {"trainee_paths": plan.paths, "engine": "ray"})
     storage.delete("metrics.jsonl")
     push(directory.root, storage, ["config.toml", "run.json", "checkpoints/round_0", "checkpoints/latest"])
@@ -415,18 +412,16 @@ class TaskQueue:
         tokens = len(losses) * self.H * self.cfg.inner.batch_size * self.cfg.model.max_seq_len
         # from the previous round's last outer step to this one's (phases of both rounds may overlap in between)
         seconds = self.finished_at[v] - self.finished_at.get(v - 1, self.finished_at[self.start])
-        log(self.metrics, kind="round", round=v, engine="ray", train_loss=sum(losses) / len(losses) if losses else None,
-            train_loss_by_trainee=by_trainee,
-            val_loss=val, val_loss_mean=(sum(val.values()) / len(val)) if val else None, seconds=seconds, tokens=tokens,
-            tokens_per_s=tokens / seconds if seconds > 0 else None, workers=int(ray.cluster_resources().get("CPU", 0)),
+        log(self.metrics, **round_line(
+            v, by_trainee, val, seconds, tokens, workers=int(ray.cluster_resources().get("CPU", 0)),
             bytes_sent=sum(p.get("bytes_sent", 0) for p in phases), bytes_received=sum(s["bytes_received"] for s in steps),
-            bytes_loaded=sum(p.get("bytes_loaded", 0) for p in phases),
+            engine="ray", bytes_loaded=sum(p.get("bytes_loaded", 0) for p in phases),
             storage_read=sum(p.get("storage_read", 0) for p in phases) + sum(s.get("storage_read", 0) for s in steps),
             storage_written=sum(p.get("storage_written", 0) for p in phases) + sum(s.get("storage_written", 0)
                                                                                   for s in steps),
             compute_s=mean_of(phases, "compute_s"), load_s=mean_of(phases, "load_s"), save_s=mean_of(phases, "save_s"),
             dropped=[p["trainee"] for p in phases if p.get("dropped")], retried=[p["trainee"] for p in phases if p["attempts"] > 1],
-            phases=phases, steps=[{k: s[k] for k in ("group", "node", "pid", "seconds", "contributors")} for s in steps])
+            phases=phases, steps=[{k: s[k] for k in ("group", "node", "pid", "seconds", "contributors")} for s in steps]))
         self.metrics.flush()
         push(self.local, self.store.storage, ["metrics.jsonl"])  # a run in a bucket: its metrics there too
         self.bar.set_postfix(round=v, loss=f"{sum(losses) / max(1, len(losses)):.3f}")

@@ -68,3 +68,21 @@ def test_initial_modules_are_the_seeded_dense_model_and_keep_only_what_is_asked(
     assert kept.keys() == some and kept_counts == counts  # the counts are of the whole run, whatever a worker keeps
     assert counts["total"] == sum(t.numel() for ts in every.values() for t in ts.values())
     assert counts["per_path"] == sum(t.numel() for m in grid.path_modules(grid.paths[0]) for t in every[m].values())
+
+
+def test_both_engines_call_the_shared_steps_and_nothing_else_builds_them():
+    """Each shared step is defined once (engine_steps.py, run.py) and called by the in-process engine (train.py,
+    sync.py) and the Ray engine (phases.py, ray_engine.py); no other file writes a round or inner line by hand."""
+    from pathlib import Path
+
+    core = Path(__file__).resolve().parents[1] / "dipaco"
+    text = {f.name: f.read_text(encoding="utf-8") for f in core.rglob("*.py")}
+    calls = {"inner_record(": ({"train.py"}, {"phases.py"}), "rescale_and_step(": ({"sync.py"}, {"phases.py"}),
+             "round_line(": ({"train.py"}, {"ray_engine.py"}), "initial_modules(": ({"train.py"}, {"ray_engine.py"})}
+    for call, (in_process, ray) in calls.items():
+        callers = {name for name, t in text.items() if call in t.replace(f"def {call}", "")}
+        assert in_process <= callers and ray <= callers, (call, callers)
+        assert sum(t.count(f"def {call}") for t in text.values()) == 1, call
+    for name, t in text.items():
+        if name != "engine_steps.py":
+            assert 'kind="round"' not in t and 'kind="inner"' not in t, name
