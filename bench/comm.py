@@ -17,7 +17,7 @@ shard; DiPaCo: one trainee per path), so the tokens are the same. Reported per m
 Data-parallel is DiLoCo with H = 1 and an outer SGD of lr 1 without momentum (the parameters are
 averaged after every AdamW step), its transport in bf16. The ratios compare with the data-parallel
 reference: the bytes of a bf16 gradient all-reduce (reduce-scatter + all-gather) among the 2 workers
-every step, computed (``dipaco.comm.allreduce_bytes``). dipaco's own transport below 32 bits quantizes
+every step, computed (``dipaco.training.comm.allreduce_bytes``). dipaco's own transport below 32 bits quantizes
 every trainee's outer gradient (2 per worker here) and the reduce-scatter moves each one's chunks, so a
 worker sends 1.5 payloads per sync and the measured data-parallel row sends 1.5x the reference.
 Usage: python bench/comm.py [--quick] [--out bench/comm_results.json]
@@ -93,9 +93,9 @@ def run_method(shards: Path, out: Path, sets: list[str], steps: int, sim_mbit: f
 def val_loss(run_dir: Path, shards_dir: Path, windows_per_path: int = 16) -> float:
     import torch
 
-    from dipaco.run import Run
-    from dipaco.shards import ShardSet
-    from dipaco.trainee import fixed_windows, next_token_loss
+    from dipaco.storage.run import Run
+    from dipaco.storage.shards import ShardSet
+    from dipaco.training.trainee import fixed_windows, next_token_loss
 
     run, shards = Run(run_dir), ShardSet(shards_dir)
     losses = []
@@ -205,7 +205,7 @@ def main() -> int:
         results.append(analyse(name, sets, run_dir, shards, steps, speeds))
         print(f"  done {name} ({time.perf_counter() - began:.0f}s)", file=sys.stderr)
     bare = bare_loop_tokens_per_s(4, 64) if args.quick else bare_loop_tokens_per_s(8, 128)
-    from dipaco.comm import allreduce_bytes
+    from dipaco.training.comm import allreduce_bytes
 
     dp = results[0]
     per_path = json.loads((work / "run0" / "run.json").read_text())["parameters"]["per_path"]

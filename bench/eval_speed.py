@@ -23,10 +23,10 @@ import torch
 
 def main(argv=None) -> int:
     from dipaco.eval.documents import heldout_tokens
-    from dipaco.run import Run
-    from dipaco.scoring import window_nll, windows_for
-    from dipaco.shards import BatchSampler, ShardSet
-    from dipaco.trainee import Trainee, inner_step
+    from dipaco.model.scoring import window_nll, windows_for
+    from dipaco.storage.run import Run
+    from dipaco.storage.shards import BatchSampler, ShardSet
+    from dipaco.training.trainee import Trainee, inner_step
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("--run", required=True)

@@ -161,8 +161,8 @@ def _has_ray() -> bool:
 def speed(rounds: list[dict], run: Path, shards: Path) -> dict:
     """Tokens/s over the rounds after the first (the first pays CUDA start-up and cache warm-up), and MFU."""
     from dipaco.config import TrainConfig, resolve
-    from dipaco.model import llama_config, new_model
-    from dipaco.shards import ShardSet
+    from dipaco.model.path_model import llama_config, new_model
+    from dipaco.storage.shards import ShardSet
 
     cfg = resolve(TrainConfig, run / "config.toml")
     steady = rounds[1:] or rounds

@@ -174,7 +174,7 @@ def unit_child(spec: dict) -> None:
         if run is not None and (run / "checkpoints").is_dir() and "--resume" not in argv:
             argv.append("--resume")
         if argv[1:3] == ["-m", "dipaco.cli"]:  # in this process: the imports cost more than a tiny training
-            from dipaco.cli import main
+            from dipaco.cli.commands import main
 
             rc = main(argv[3:])
             if rc:
@@ -265,7 +265,7 @@ def _relative(argv: list[str] | None, out: str | None) -> list[str] | None:
 def rounds_done(run: Path) -> int:
     if not run.is_dir():
         return 0
-    from dipaco import checkpoint  # (torch: only when there is a run to look at)
+    from dipaco.storage import checkpoint  # (torch: only when there is a run to look at)
 
     return checkpoint.latest_round(run) or 0
 

@@ -14,7 +14,7 @@ MISSING = "not yet run"
 def dp_bytes(per_path: int, replicas: int, steps: int) -> int:
     """Bytes all workers send when ``replicas`` data-parallel copies all-reduce bf16 gradients every step: a
     reduce-scatter + all-gather, 2(n−1)/n of the gradient per replica."""
-    from dipaco.comm import allreduce_bytes
+    from dipaco.training.comm import allreduce_bytes
 
     return replicas * allreduce_bytes(per_path, replicas, 16) * steps
 

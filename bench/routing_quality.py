@@ -112,7 +112,7 @@ def work_dir(out: Path, name: str, seed: int) -> Path:
 def one_corpus(name: str, out: Path, data: Path, jobs: int, seed: int = 0) -> dict:
     from dipaco.eval.once_policy import save_once_policy
     from dipaco.eval.window_router import fit_window_router
-    from dipaco.shards import ShardSet
+    from dipaco.storage.shards import ShardSet
 
     began = time.perf_counter()
     work = work_dir(out, name, seed)

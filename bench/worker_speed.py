@@ -9,7 +9,7 @@ on one thread (``torch.set_num_threads(1)``; run with OMP_NUM_THREADS=1):
   bare    a plain loop: random windows of a token array -> forward -> cross-entropy -> backward ->
           clip_grad_norm_ -> AdamW.step -> zero_grad (torch's default AdamW, constant lr); 5 warm-up
           steps are not timed
-  worker  the real ``dipaco.train.train()`` in a world of one with H inner steps per round and
+  worker  the real ``dipaco.training.train.train()`` in a world of one with H inner steps per round and
           everything a round does: lr schedule, sampler, per-step loss, outer step, validation
           (``val_batches``), a checkpoint every round, metrics.jsonl; no progress bar. Grid '1' is one
           trainee on the four shards pooled (the dense baseline); '2x2' is four trainees in lockstep
@@ -172,11 +172,11 @@ class Timers:
 
     @contextmanager
     def installed(self):
-        import dipaco.train as train_mod
-        from dipaco.checkpoint import Checkpointer
-        from dipaco.run import RunDirectory
-        from dipaco.shards import BatchSampler
-        from dipaco.sync import ModuleSync
+        import dipaco.training.train as train_mod
+        from dipaco.storage.checkpoint import Checkpointer
+        from dipaco.storage.run import RunDirectory
+        from dipaco.storage.shards import BatchSampler
+        from dipaco.training.sync import ModuleSync
 
         self.wrap(RunDirectory, "begin", "setup_start_round", mark_end=True)
         self.wrap(train_mod, "inner_step", "inner_step")
@@ -209,7 +209,7 @@ class Timers:
 def worker_run(config: tuple, grid: str, shards: Path, run_dir: Path, rounds: int, H: int, val_batches: int,
                paired: BareLoop | None = None) -> dict:
     from dipaco.config import TrainConfig, resolve
-    from dipaco.train import train
+    from dipaco.training.train import train
 
     hidden, layers, heads, inter, seq, batch = config
     cfg = resolve(TrainConfig, overrides=[
@@ -273,8 +273,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.configs, args.grids, args.reps, args.rounds = "tiny", "1", 2, 1
     torch.set_num_threads(1)
-    import dipaco.train  # noqa: F401  (import everything the worker runs before timing anything)
-    from dipaco.shards import ShardSet
+    import dipaco.training.train  # noqa: F401  (import everything the worker runs before timing anything)
+    from dipaco.storage.shards import ShardSet
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dipaco-worker-speed-"))
     work.mkdir(parents=True, exist_ok=True)

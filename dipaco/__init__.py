@@ -1,6 +1,6 @@
 """dipaco: train modular language models the DiPaCo way.
 
-Pipeline: ``dipaco.sharding`` (route a corpus into path shards) -> ``dipaco.train`` (path workers with
+Pipeline: ``dipaco.sharding`` (route a corpus into path shards) -> ``dipaco.training.train`` (path workers with
 DiLoCo-style module averaging) -> ``dipaco.eval`` (routed perplexity, generation, export).
 """
 

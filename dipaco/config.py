@@ -2,7 +2,7 @@
 
 A setting is declared once, here: its type (``Literal`` for a choice), its default and its docstring. The
 command-line flags, their help and choices, the TOML files and the ``--set`` overrides all come from these
-declarations (flags.py makes the flags); every section checks its own values in ``check``.
+declarations (cli/flags.py makes the flags); every section checks its own values in ``check``.
 Precedence (lowest first): dataclass defaults -> preset -> TOML file -> ``--set`` -> named CLI flags.
 Unknown keys and wrong types are errors. The resolved config is written next to every output.
 """
@@ -19,7 +19,7 @@ from dipaco.errors import DipacoError
 from dipaco.settings import at_least, flag, fraction, nest, positive
 from dipaco.settings import to_dict, to_toml  # noqa: F401  (importers read them here)
 
-Bits = Literal[4, 8, 16, 32]  # dipaco.quant.SUPPORTED_BITS (a test keeps the two equal)
+Bits = Literal[4, 8, 16, 32]  # dipaco.training.quant.SUPPORTED_BITS (a test keeps the two equal)
 Preset = Literal["tiny", "small", "base"]  # the keys of PRESETS (a test keeps the two equal)
 
 

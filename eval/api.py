@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dipaco import checkpoint
 from dipaco.errors import DipacoError
-from dipaco.model import PathModel
+from dipaco.model.path_model import PathModel
 from dipaco.routing import Router
-from dipaco.run import Run
-from dipaco.shards import ShardSet
+from dipaco.storage import checkpoint
+from dipaco.storage.run import Run
+from dipaco.storage.shards import ShardSet
 
 
 class RoutedRun:

@@ -8,9 +8,9 @@ import numpy as np
 from dipaco.errors import DipacoError
 from dipaco.routing import Router
 from dipaco.routing.router import BaseRouter
-from dipaco.run import Run
 from dipaco.sharding.tokenizer import encode
-from dipaco.shards import ShardSet, read_docs
+from dipaco.storage.run import Run
+from dipaco.storage.shards import ShardSet, read_docs
 
 
 def heldout_tokens(shards: ShardSet, max_tokens: int) -> tuple[list[dict], list[list[int]]]:

@@ -7,7 +7,7 @@ import json
 import math
 
 from dipaco.errors import DipacoError
-from dipaco.run import Run
+from dipaco.storage.run import Run
 
 
 def read_metrics(run: Run) -> list[dict]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import dipaco
 from dipaco.io import write_json
-from dipaco.outputs import atomic_dir
+from dipaco.storage.outputs import atomic_dir
 
 
 def export_path(rr, path: str, out: str | Path, round: int | None = None, overwrite: bool = False) -> Path:

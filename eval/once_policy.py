@@ -34,10 +34,10 @@ from dipaco.eval.documents import check_compatible, route_documents, router_toke
 from dipaco.eval.policy_check import damaged, read_object, rule_problem
 from dipaco.eval.scorer import Scorer
 from dipaco.io import write_json
-from dipaco.outputs import atomic_dir, os_error_line
 from dipaco.routing.router import BaseRouter
-from dipaco.run import Run
-from dipaco.shards import ShardSet
+from dipaco.storage.outputs import atomic_dir, os_error_line
+from dipaco.storage.run import Run
+from dipaco.storage.shards import ShardSet
 
 MIN_DOCUMENTS = 10  # fewer router documents than this: too few to trust a rule over the shard router
 ONCE_KINDS = ("shard-router", "prefix-loss")

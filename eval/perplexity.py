@@ -46,8 +46,8 @@ from dipaco.eval.scorer import Scorer, Segment, once_segments, segments_of, summ
 from dipaco.eval.window_policy import (all_chunk_nll, candidates, chunk_cuts, decide, find_window_policy,
                                        pick_window_rule, rule_of, window_router_dir)
 from dipaco.eval.window_router import load_window_router
-from dipaco.run import Run
-from dipaco.shards import ShardSet
+from dipaco.storage.run import Run
+from dipaco.storage.shards import ShardSet
 
 
 def check_mixture(k: int, run: Run) -> None:

@@ -4,7 +4,7 @@ these checks.
 
 Every command reads them, so a file that is not a rule (invalid JSON, an unknown rule, a rule whose window router is
 missing) is one line naming the file and the command that writes it again. That command's ``--overwrite`` may replace
-the damaged file: ``dipaco.outputs`` counts a run's policy folder that holds only its policy file as dipaco's.
+the damaged file: ``dipaco.storage.outputs`` counts a run's policy folder that holds only its policy file as dipaco's.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def plot_paths(report: dict, path: str | Path) -> bool:
 
 
 def beside(out: Path) -> list[Path]:
-    """The files ``write_report`` writes beside ``out`` (checked before any work: dipaco/outputs.py)."""
+    """The files ``write_report`` writes beside ``out`` (checked before any work: dipaco/storage/outputs.py)."""
     return [out.with_suffix(".md"), out.with_suffix(".png"), out.with_name(out.stem + "_rounds.png"),
             out.with_name(out.stem + "_paths.png")]
 

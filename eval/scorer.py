@@ -14,8 +14,8 @@ import math
 import numpy as np
 from tqdm.auto import tqdm
 
-from dipaco.run import Run
-from dipaco.scoring import window_nll, windows_for
+from dipaco.model.scoring import window_nll, windows_for
+from dipaco.storage.run import Run
 
 Segment = tuple[int, int, list[tuple[str, int, float]]]
 

@@ -48,8 +48,8 @@ from dipaco.eval.once_policy import route_once
 from dipaco.eval.policy_check import damaged, read_object, rule_problem
 from dipaco.eval.scorer import Scorer
 from dipaco.routing.router import BaseRouter
-from dipaco.run import Run
-from dipaco.shards import ShardSet
+from dipaco.storage.run import Run
+from dipaco.storage.shards import ShardSet
 
 MIN_CHUNKS = 200  # fewer re-routed chunks than this: too few to trust a rule over routing once
 RULE_KINDS = ("stay", "shard-router", "window-router", "lagged-loss")

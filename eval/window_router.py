@@ -33,13 +33,13 @@ from dipaco.eval.once_policy import find_once_policy, once_notice, route_once
 from dipaco.eval.scorer import Scorer
 from dipaco.eval.window_policy import all_chunk_nll, chunk_cuts, window_policy_from_losses, window_router_dir
 from dipaco.io import write_json
-from dipaco.outputs import atomic_dir
 from dipaco.routing import Router
 from dipaco.routing.discriminative import fit_discriminative, fit_window
 from dipaco.routing.router import BaseRouter
-from dipaco.run import Run
 from dipaco.sharding.tokenizer import encode
-from dipaco.shards import ShardSet
+from dipaco.storage.outputs import atomic_dir
+from dipaco.storage.run import Run
+from dipaco.storage.shards import ShardSet
 
 
 MIN_WINDOWS = 200  # fewer router windows than max(this, 25 per path): no window router is fitted

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from dipaco.errors import DipacoError
-from dipaco.grid import format_grid, parse_grid
+from dipaco.model.grid import format_grid, parse_grid
+from dipaco.routing.base import BaseRouter
 from dipaco.routing.features import load_features
 from dipaco.routing.kmeans import row_dot
 from dipaco.routing.prefix import PrefixInput
-from dipaco.routing.base import BaseRouter
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:

@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from dipaco.config import RoutingConfig, apply_dict
-from dipaco.grid import parse_grid
+from dipaco.model.grid import parse_grid
 from dipaco.routing.discriminative import fit_discriminative
 from dipaco.routing.features import TfidfFeatures, make_features
 from dipaco.routing.kmeans import calibrate_bias

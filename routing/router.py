@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from dipaco.errors import DipacoError
-from dipaco.grid import format_grid, parse_grid
+from dipaco.model.grid import format_grid, parse_grid
 from dipaco.routing.features import load_features
-from dipaco.routing.prefix import PrefixInput
 from dipaco.routing.kmeans import calibrate_bias, fit_kmeans, split_dims, squared_distances
+from dipaco.routing.prefix import PrefixInput
 # BaseRouter lives in its own module so that the router kinds in discriminative.py can subclass it while
 # Router.load (here) dispatches to them, without an import circle; the names stay importable from here
 from dipaco.routing.base import BaseRouter, _check_texts, top_paths  # noqa: F401

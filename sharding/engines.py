@@ -6,7 +6,7 @@ the engine only decides where it runs: the bytes are the same on any engine and 
   local, 1 worker     in this process (the default for a corpus of one block: no start-up cost)
   local, N workers    a pool of N spawned processes, one block each at a time, the tokenizer on one thread in
                       each (measured faster than one process with N tokenizer threads: bench/shard.py)
-  ray                 Ray tasks (``dipaco.ray_tasks``) on the cluster at --address, or on a local Ray; a task
+  ray                 Ray tasks (``dipaco.taskqueue.ray_tasks``) on the cluster at --address, or on a local Ray; a task
                       whose worker or node is lost is retried and writes the same bytes
 """
 
@@ -100,7 +100,7 @@ class RayEngine(Engine):
     def __init__(self, address: str, cpus: int, max_retries: int, progress: bool = True):
         super().__init__(progress)
         try:
-            from dipaco.ray_tasks import RayTasks
+            from dipaco.taskqueue.ray_tasks import RayTasks
         except ImportError:
             raise DipacoError("--engine ray needs Ray; install it with pip install -e '.[ray]' (or pip install 'ray>=2.40')") from None
         self.tasks = RayTasks(address, cpus, max_retries, worker_env())

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from dipaco.routing import Router
-from dipaco.shards import ShardSet
+from dipaco.storage.shards import ShardSet
 
 
 def top_terms(router, n: int = 8) -> dict[str, list[str]] | None:

@@ -1,7 +1,7 @@
 """Pass 2 of the shard stage, per block: tokenize, route, write; and the merge of the blocks' parts.
 
 A part (``WORK/parts/<block>/``) is a small shard directory without tokenizer, router or manifest, written
-by ``dipaco.shards.ShardWriter`` (the format's one writer) under a temporary name and renamed into place
+by ``dipaco.storage.shards.ShardWriter`` (the format's one writer) under a temporary name and renamed into place
 when whole, plus ``meta.json`` (fingerprint, counts, peak RSS). The merge appends the parts in block order
 (``ShardWriter.append_part``: token files concatenated, document offsets rebased, documents kept aside
 concatenated), so the shard directory is the one a single process reading the corpus in order writes.
@@ -21,13 +21,13 @@ import numpy as np
 from dipaco.config import ShardConfig
 from dipaco.routing import Router
 from dipaco.routing.base import top_paths
-from dipaco.shards import ShardWriter
 from dipaco.sharding.decisions import HELDOUT, ROUTER, TRAIN, Roles, digest, keys
 from dipaco.sharding.plan import Block, block_rows
 from dipaco.sharding.scan import commit, peak_rss_mb, read_meta, temp_dir
 from dipaco.sharding.sources import DocumentFilter
 from dipaco.sharding.threads import decision_threads
 from dipaco.sharding.tokenizer import encode, load_tokenizer
+from dipaco.storage.shards import ShardWriter
 
 TEST_DELAY = "DIPACO_SHARD_TEST_DELAY"  # "<block index>:<seconds>": the first attempt of that block sleeps mid-block
 

@@ -9,7 +9,7 @@
    the target (the current shard sizes, or uniform), so no path collapses. Report the accuracy against
    the loss labels on the rest (and the k-means router's, for reference).
 3. Re-route every training and validation document of SHARDS (decoded from its tokens, so the shard
-   directory is all it needs) and write SHARDS2 in the same format (through ``dipaco.shards.ShardWriter``,
+   directory is all it needs) and write SHARDS2 in the same format (through ``dipaco.storage.shards.ShardWriter``,
    the format's one writer): same tokenizer, tokens unchanged, validation documents stay validation, the
    held-out and router documents keep their place.
 
@@ -29,15 +29,15 @@ from tqdm.auto import tqdm
 import dipaco
 from dipaco.command_config import ReshardConfig as R  # the defaults, declared once
 from dipaco.errors import DipacoError
-from dipaco.outputs import atomic_dir
+from dipaco.model.scoring import document_nll
 from dipaco.routing import Router
 from dipaco.routing.discriminative import fit_discriminative
-from dipaco.run import Run
-from dipaco.scoring import document_nll
-from dipaco.shards import DOC_FOLDERS, ShardSet, ShardWriter, read_docs
-from dipaco.sharding.tokenizer import encode
 from dipaco.routing.router import top_paths
+from dipaco.sharding.tokenizer import encode
 from dipaco.sharding.writer import heldout_purity, histogram, route_agreement
+from dipaco.storage.outputs import atomic_dir
+from dipaco.storage.run import Run
+from dipaco.storage.shards import DOC_FOLDERS, ShardSet, ShardWriter, read_docs
 
 
 def loss_matrix(run: Run, paths: list[str], ids: list[list[int]], at_round: int | None = None,

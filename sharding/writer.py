@@ -1,4 +1,4 @@
-"""The shard stage: documents -> tokenizer -> router -> one token shard per path (the format: dipaco.shards).
+"""The shard stage: documents -> tokenizer -> router -> one token shard per path (the format: dipaco.storage.shards).
 
 Plan, blocks, merge (``sharding.plan``, ``.scan``, ``.parts``), on any engine (``sharding.engines``):
 
@@ -34,12 +34,10 @@ import numpy as np
 import dipaco
 from dipaco.config import ShardConfig, to_dict, to_toml
 from dipaco.errors import DipacoError
-from dipaco.grid import parse_grid
 from dipaco.io import sha256_dir
-from dipaco.outputs import atomic_dir, check_out_dir
+from dipaco.model.grid import parse_grid
 from dipaco.routing import Router
 from dipaco.routing.fit import fit_router
-from dipaco.shards import ShardWriter, read_docs
 from dipaco.sharding.engines import make_engine
 from dipaco.sharding.parts import Fits, part_block
 from dipaco.sharding.plan import make_plan, settings_key
@@ -47,6 +45,8 @@ from dipaco.sharding.scan import commit, join, peak_rss_mb, read_meta, scan_bloc
 from dipaco.sharding.sources import describe_inputs
 from dipaco.sharding.threads import decision_threads, set_num_proc
 from dipaco.sharding.tokenizer import load_tokenizer, tokenizer_sha256, train_tokenizer
+from dipaco.storage.outputs import atomic_dir, check_out_dir
+from dipaco.storage.shards import ShardWriter, read_docs
 
 WORK_MARK = "work.json"
 

@@ -73,7 +73,7 @@ def shards_2x2(corpus_file, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tok(shards_2x2):
     """The tokenizer of the session's shards (routers read the decoded token prefix)."""
-    from dipaco.shards import ShardSet
+    from dipaco.storage.shards import ShardSet
 
     return ShardSet(shards_2x2).tokenizer()
 

@@ -16,7 +16,7 @@ _RUNS: dict[tuple, Path] = {}
 
 
 def trained_run(tmp_path_factory, shards: Path, *extra: str, rounds: int = 2, inner_steps: int = 8) -> Path:
-    from dipaco.train import train
+    from dipaco.training.train import train
 
     key = (str(shards), extra, rounds, inner_steps)
     if key not in _RUNS:

@@ -28,11 +28,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dipaco.cli import main
+from dipaco.cli.commands import main
 from dipaco.errors import DipacoError
 from dipaco.sharding.sources import iter_documents, iter_rows
 from dipaco.sharding.writer import shard
-from dipaco.train import train
+from dipaco.training.train import train
 
 from conftest import TINY_TRAIN, shard_config, tiny_train_config
 
@@ -464,7 +464,7 @@ def test_what_dipaco_wrote_is_reused_or_replaced(small_runs, shards_2x2, corpus_
     import shutil
 
     from dipaco.eval.report import beside
-    from dipaco.outputs import check_out_dir, check_out_file
+    from dipaco.storage.outputs import check_out_dir, check_out_file
 
     _user_world(tmp_path, corpus_file)
     monkeypatch.chdir(tmp_path)

@@ -9,10 +9,10 @@ import tomli_w
 
 from dipaco import command_config as CC
 from dipaco import config as C
-from dipaco.cli import build_parser, main
+from dipaco.cli.commands import build_parser, main
+from dipaco.cli.flags import field_docs, flag_fields, flag_name, flags_of, optional_of
 from dipaco.config import PRESETS, ShardConfig, TrainConfig, from_dict, parse_override, read_toml, resolve, to_dict, to_toml
 from dipaco.errors import DipacoError
-from dipaco.flags import field_docs, flag_fields, flag_name, flags_of, optional_of
 
 
 def test_precedence_defaults_preset_file_set_flags(tmp_path):
@@ -126,7 +126,7 @@ def test_each_flag_is_its_field_once(command):
 
 
 def test_literals_match_their_sources():
-    from dipaco.quant import SUPPORTED_BITS
+    from dipaco.training.quant import SUPPORTED_BITS
 
     assert typing.get_args(C.Bits) == SUPPORTED_BITS
     assert typing.get_args(C.Preset) == tuple(C.PRESETS)

@@ -1,4 +1,4 @@
-"""Device rules (dipaco/devices.py) on the CPU: what a phase asks Ray for, where it trains, and the refusals;
+"""Device rules (dipaco/training/devices.py) on the CPU: what a phase asks Ray for, where it trains, and the refusals;
 and bench/gpu_check.py's line on a machine without a GPU. The GPU itself is exercised by bench/gpu_check.py."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dipaco.config import TrainConfig, resolve
-from dipaco.devices import deterministic, phase_device, phase_resources, resolve_device
 from dipaco.errors import DipacoError
+from dipaco.training.devices import deterministic, phase_device, phase_resources, resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dipaco import checkpoint
-from dipaco.cli import main
-from dipaco.comm import LocalWorld, analytic_bytes, make_world
+from dipaco.cli.commands import main
 from dipaco.errors import DipacoError
-from dipaco.launch import free_port, torchrun_command
-from dipaco.quant import payload_bytes
-from dipaco.run import Run, assign
-from dipaco.train import train
+from dipaco.storage import checkpoint
+from dipaco.storage.run import Run, assign
+from dipaco.training.comm import LocalWorld, analytic_bytes, make_world
+from dipaco.training.launch import free_port, torchrun_command
+from dipaco.training.quant import payload_bytes
+from dipaco.training.train import train
 
 from conftest import TINY_TRAIN, tiny_train_config
 
@@ -83,7 +83,7 @@ def _assert_holders_identical_and_alone(out, numel_of, bits, syncs_per_fragment)
 
 
 def _numels(run, fragments=1):
-    from dipaco.streaming import split_fragments
+    from dipaco.training.streaming import split_fragments
 
     modules = checkpoint.load_modules(run, 0)
     num_layers = Run(run).config.model.num_layers

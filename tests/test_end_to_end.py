@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from dipaco import checkpoint
-from dipaco.cli import main
+from dipaco.cli.commands import main
 from dipaco.eval.perplexity import evaluate
-from dipaco.run import Run
-from dipaco.train import train
+from dipaco.storage import checkpoint
+from dipaco.storage.run import Run
+from dipaco.training.train import train
 
 from conftest import TINY_TRAIN, tiny_train_config
 
@@ -50,8 +50,8 @@ def test_shard_train_eval_beats_untrained(shards_2x2, tmp_path):
 
 
 def test_prefix_is_not_scored():
-    from dipaco.model import llama_config, new_model
-    from dipaco.scoring import document_nll
+    from dipaco.model.path_model import llama_config, new_model
+    from dipaco.model.scoring import document_nll
 
     model = new_model(llama_config(tiny_train_config().model, 512, 0), seed=0)
     docs = [list(range(1, 101)), list(range(1, 33)), list(range(1, 34))]

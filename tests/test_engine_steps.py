@@ -1,4 +1,5 @@
-"""The steps every training engine shares (dipaco.engine_steps): one definition each, what they compute (fast tier)."""
+"""The steps every training engine shares (dipaco.training.engine_steps): one definition each, what they compute
+(fast tier)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from types import SimpleNamespace
 import torch
 
 from conftest import tiny_train_config
-from dipaco.engine_steps import inner_record, rescale_and_step, round_line
-from dipaco.model import init_modules, llama_config
-from dipaco.outer import OuterOptimizer
-from dipaco.run import build_grid, initial_modules
+from dipaco.model.path_model import init_modules, llama_config
+from dipaco.storage.run import build_grid, initial_modules
+from dipaco.training.engine_steps import inner_record, rescale_and_step, round_line
+from dipaco.training.outer import OuterOptimizer
 
 SHARDS = SimpleNamespace(vocab_size=97, eos_token_id=0)
 
@@ -71,18 +72,21 @@ def test_initial_modules_are_the_seeded_dense_model_and_keep_only_what_is_asked(
 
 
 def test_both_engines_call_the_shared_steps_and_nothing_else_builds_them():
-    """Each shared step is defined once (engine_steps.py, run.py) and called by the in-process engine (train.py,
-    sync.py) and the Ray engine (phases.py, ray_engine.py); no other file writes a round or inner line by hand."""
+    """Each shared step is defined once (training/engine_steps.py, storage/run.py) and called by the in-process engine
+    (training/train.py, training/sync.py) and the Ray engine (taskqueue/phases.py, taskqueue/ray_engine.py); no other
+    file writes a round or inner line by hand."""
     from pathlib import Path
 
     core = Path(__file__).resolve().parents[1] / "dipaco"
-    text = {f.name: f.read_text(encoding="utf-8") for f in core.rglob("*.py")}
-    calls = {"inner_record(": ({"train.py"}, {"phases.py"}), "rescale_and_step(": ({"sync.py"}, {"phases.py"}),
-             "round_line(": ({"train.py"}, {"ray_engine.py"}), "initial_modules(": ({"train.py"}, {"ray_engine.py"})}
+    text = {f.relative_to(core).as_posix(): f.read_text(encoding="utf-8") for f in core.rglob("*.py")}
+    train, sync = "training/train.py", "training/sync.py"
+    phases, driver = "taskqueue/phases.py", "taskqueue/ray_engine.py"
+    calls = {"inner_record(": ({train}, {phases}), "rescale_and_step(": ({sync}, {phases}),
+             "round_line(": ({train}, {driver}), "initial_modules(": ({train}, {driver})}
     for call, (in_process, ray) in calls.items():
         callers = {name for name, t in text.items() if call in t.replace(f"def {call}", "")}
         assert in_process <= callers and ray <= callers, (call, callers)
         assert sum(t.count(f"def {call}") for t in text.values()) == 1, call
     for name, t in text.items():
-        if name != "engine_steps.py":
+        if name != "training/engine_steps.py":
             assert 'kind="round"' not in t and 'kind="inner"' not in t, name

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from dipaco.cli import main
+from dipaco.cli.commands import main
 from dipaco.errors import DipacoError
 from dipaco.eval.api import load
 

@@ -14,9 +14,9 @@ from dipaco.eval.early_stopping import early_stopping_rounds
 from dipaco.eval.perplexity import evaluate, mixture_weights
 from dipaco.eval.scorer import Scorer, segments_of
 from dipaco.eval.window_policy import Rule, chunk_cuts, decide
-from dipaco.run import Run
-from dipaco.scoring import document_nll
-from dipaco.shards import ShardSet
+from dipaco.model.scoring import document_nll
+from dipaco.storage.run import Run
+from dipaco.storage.shards import ShardSet
 
 from eval_helpers import private_run
 
@@ -177,7 +177,7 @@ def test_bad_inputs_are_dipaco_errors(run_dir, shards_2x2):
 
 @pytest.mark.slow
 def test_eval_cli_report_with_baseline_and_plots(run_dir, shards_2x2, tmp_path_factory, tmp_path, capsys):
-    from dipaco.cli import main
+    from dipaco.cli.commands import main
 
     from eval_helpers import trained_run
 

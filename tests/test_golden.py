@@ -89,7 +89,7 @@ def shards_digest(shards: Path) -> str:
 
 # ------------------------------------------------------------------------------------------- runs
 def _train(shards: Path, out: Path, workers: int, sets: list[str]) -> None:
-    from dipaco.cli import main
+    from dipaco.cli.commands import main
 
     args = ["train", "--shards", str(shards), "--out", str(out), "--quiet", "--rounds", str(ROUNDS),
             "--inner-steps", str(H)]

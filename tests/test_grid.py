@@ -1,7 +1,7 @@
 import pytest
 
 from dipaco.errors import DipacoError
-from dipaco.grid import Grid, parse_grid
+from dipaco.model.grid import Grid, parse_grid
 
 
 def test_parse_grid():

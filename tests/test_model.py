@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from dipaco.config import ModelConfig
-from dipaco.grid import Grid
-from dipaco.model import PathModel, component_of, init_modules, llama_config
+from dipaco.model.grid import Grid
+from dipaco.model.path_model import PathModel, component_of, init_modules, llama_config
 
 CFG = llama_config(ModelConfig(hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=2, intermediate_size=64,
                                max_seq_len=32), vocab_size=300, eos_token_id=0)
@@ -69,9 +69,9 @@ def test_private_untied_head_trains_per_path_and_exports(shards_2x2, tmp_path):
     exported path loads in plain transformers with that head."""
     from transformers import AutoModelForCausalLM
 
-    from dipaco import checkpoint
     from dipaco.eval.api import load
-    from dipaco.train import train
+    from dipaco.storage import checkpoint
+    from dipaco.training.train import train
 
     from conftest import tiny_train_config
 

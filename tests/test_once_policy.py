@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dipaco.cli import main
+from dipaco.cli.commands import main
 from dipaco.eval.once_policy import (MIN_DOCUMENTS, OnceRule, decide_once, once_candidates, once_rule_of, pick_once_rule,
                                      router_log_prior)
 
@@ -111,8 +111,8 @@ def test_choose_routing_reads_only_router_documents_and_eval_and_generate_follow
     from dipaco.eval import documents, perplexity
     from dipaco.eval.api import load
     from dipaco.eval.generate import generate
-    from dipaco.run import Run
-    from dipaco.shards import ShardSet
+    from dipaco.storage.run import Run
+    from dipaco.storage.shards import ShardSet
 
     def forbidden(*_):
         raise AssertionError("the once rule must be chosen without the held-out or validation documents")
@@ -171,8 +171,8 @@ def test_without_a_saved_rule_eval_and_generate_route_every_document_alike(tmp_p
 
     from dipaco.eval import documents, once_policy, perplexity
     from dipaco.eval.api import load
-    from dipaco.run import Run
-    from dipaco.shards import ShardSet
+    from dipaco.storage.run import Run
+    from dipaco.storage.shards import ShardSet
 
     real = once_policy.pick_once_rule
     monkeypatch.setattr(once_policy, "pick_once_rule", lambda *a: real(*a) | {

@@ -2,7 +2,7 @@
 
 import torch
 
-from dipaco.outer import OuterOptimizer, module_average, module_weights, outer_gradient
+from dipaco.training.outer import OuterOptimizer, module_average, module_weights, outer_gradient
 
 
 def test_module_weights_follow_shard_sizes_per_module():

@@ -11,7 +11,7 @@ from dipaco.errors import DipacoError
 from dipaco.eval import once_policy
 from dipaco.eval.once_policy import read_once_policy
 from dipaco.eval.window_policy import read_window_policy
-from dipaco.outputs import atomic_dir, check_replaceable
+from dipaco.storage.outputs import atomic_dir, check_replaceable
 
 ONCE = {"chosen": {"kind": "prefix-loss", "prior": False}, "name": "prefix-loss", "reason": "a test", "round": 2}
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dipaco.comm import LocalWorld, analytic_bytes, chosen_pattern, chunk_bounds
 from dipaco.config import TrainConfig, resolve
-from dipaco.launch import free_port
-from dipaco.quant import dequantize, payload_bytes, quantize
+from dipaco.training.comm import LocalWorld, analytic_bytes, chosen_pattern, chunk_bounds
+from dipaco.training.launch import free_port
+from dipaco.training.quant import dequantize, payload_bytes, quantize
 
 
 @pytest.mark.parametrize("bits,qmax", [(4, 7), (8, 127)])
@@ -148,7 +148,7 @@ def _deltas(trainees):
 def _worker(rank, size, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
     torch.set_num_threads(1)
-    from dipaco.comm import DistWorld
+    from dipaco.training.comm import DistWorld
 
     results, world = {}, None
     for pattern, bits in CASES:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dipaco.quickstart import quickstart
+from dipaco.cli.quickstart import quickstart
 
 from conftest import TINY_TRAIN
 

@@ -4,8 +4,8 @@ Every test runs the real CLI as a driver process against the cluster, and compar
 in-process engine's on the same config and seed, bit for bit: plain, at 4 bits with more paths than workers, and
 through a worker SIGKILLed mid-phase, an executor SIGKILLed mid-step, a node removed (and another added) mid-run,
 and a driver SIGKILLed and resumed. The quorum test leaves one phase late on purpose and checks it is dropped.
-Faults are placed with the engine's test hook DIPACO_TEST_DELAY (dipaco/phases.py), which makes the first attempt of
-a chosen phase or outer step sleep in its middle.
+Faults are placed with the engine's test hook DIPACO_TEST_DELAY (dipaco/taskqueue/phases.py), which makes the first
+attempt of a chosen phase or outer step sleep in its middle.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ _reference: dict = {}
 
 def reference(shards: Path, tmp_path_factory, *extra: str) -> Path:
     """The in-process engine's run of the same config (one per config and shard directory, per session)."""
-    from dipaco.train import train
+    from dipaco.training.train import train
 
     key = (str(shards), extra)
     if key not in _reference:
@@ -210,7 +210,7 @@ def test_the_engines_resume_each_others_runs(shards_2x2, cluster, tmp_path, tmp_
     """A run the in-process engine checkpointed at round 1 goes on under Ray, and ends with the same bits."""
     import shutil
 
-    from dipaco.run import Run
+    from dipaco.storage.run import Run
 
     ref = reference(shards_2x2, tmp_path_factory)
     out = tmp_path / "ray"

@@ -34,7 +34,7 @@ ROUNDS, H = 2, 6
 
 @pytest.fixture(scope="module")
 def reference(shards_2x2, tmp_path_factory) -> Path:
-    from dipaco.train import train
+    from dipaco.training.train import train
 
     out = tmp_path_factory.mktemp("reference") / "run"
     train(tiny_train_config(rounds=ROUNDS, inner_steps=H), shards_2x2, out, progress=False)
@@ -74,7 +74,7 @@ def wait_for(condition, what: str, timeout: float = 120):
 
 
 def local_copy(location: str) -> Path:
-    from dipaco.runstore import pull_run
+    from dipaco.taskqueue.runstore import pull_run
 
     return pull_run(location)
 
@@ -136,7 +136,7 @@ def bucket(s3_server, monkeypatch):
 
 def test_a_bucket_run_with_a_worker_killed_is_the_in_process_run_bit_for_bit(shards_2x2, ray_cluster, reference, bucket,
                                                                               tmp_path):
-    from dipaco.storage import Storage
+    from dipaco.storage.objects import Storage
 
     url = f"{bucket}/run"
     proc = start(command(shards_2x2, url, address=ray_cluster.address), env={"DIPACO_TEST_DELAY": "1:1:60"})
@@ -167,12 +167,12 @@ def test_two_attempts_of_a_phase_finish_and_only_the_first_commit_is_read(shards
     """Round 1 (the in-process run's) in the bucket; phase (trainee 1, round 2) run twice by hand, as a worker presumed
     lost and its retry would: the second commit is refused, the loser's objects are then damaged on purpose, and the
     Ray engine resumes the run through that queue to the in-process run's bits."""
-    from dipaco.phases import PhaseSpec, run_phase
-    from dipaco.runstore import config_digest
-    from dipaco.run import Plan, build_grid
-    from dipaco.shards import ShardSet
-    from dipaco.storage import Storage
-    from dipaco.taskstore import TaskStore, ref
+    from dipaco.storage.objects import Storage
+    from dipaco.storage.run import Plan, build_grid
+    from dipaco.storage.shards import ShardSet
+    from dipaco.taskqueue.phases import PhaseSpec, run_phase
+    from dipaco.taskqueue.runstore import config_digest
+    from dipaco.taskqueue.taskstore import TaskStore, ref
 
     url, s = f"{bucket}/run", Storage(f"{bucket}/run")
     for f in sorted(reference.rglob("*")):
@@ -209,7 +209,7 @@ def test_two_attempts_of_a_phase_finish_and_only_the_first_commit_is_read(shards
 def test_the_whole_cluster_killed_and_restarted_under_keep_going(shards_2x2, reference, tmp_path):
     from ray.cluster_utils import Cluster
 
-    from dipaco.launch import free_port
+    from dipaco.training.launch import free_port
 
     port, out = free_port(), tmp_path / "run"
 
@@ -250,14 +250,14 @@ def test_a_phase_that_raises_fails_the_run_in_one_line_without_retries(shards_2x
     _, err = proc.communicate(timeout=300)
     lines = lines_of(err)
     assert proc.returncode == 2 and len(lines) == 1 and "ValueError" in lines[0] and "phase" in lines[0], err[-2000:]
-    from dipaco.storage import Storage
+    from dipaco.storage.objects import Storage
 
     tries = [len(attempts(Storage(str(out)), 1, f"trainee_{i}")) for i in range(4)]
     assert max(tries) == 1, tries  # not retried
 
 
 def test_a_worker_killed_five_times_in_one_phase_does_not_abort(shards_2x2, ray_cluster, reference, tmp_path):
-    from dipaco.storage import Storage
+    from dipaco.storage.objects import Storage
 
     out = tmp_path / "run"
     proc = start(command(shards_2x2, out, address=ray_cluster.address), env={"DIPACO_TEST_DELAY": "2:1:60:5"})
@@ -279,7 +279,7 @@ def test_a_worker_killed_five_times_in_one_phase_does_not_abort(shards_2x2, ray_
 
 _PORTS = """
 import json, socket, sys
-from dipaco.ray_cluster import connect, non_loopback_addresses
+from dipaco.taskqueue.ray_cluster import connect, non_loopback_addresses
 import ray
 info = connect("", 1)
 node = ray.nodes()[0]
@@ -321,9 +321,9 @@ def test_left_over_and_damaged_queues_never_give_other_weights(shards_2x2, ray_c
     Either way the Ray engine resumes to the in-process run's bits: the stale queue is not read, damage is redone."""
     from safetensors.torch import save
 
-    from dipaco.runstore import config_digest
-    from dipaco.storage import Storage, sha256
-    from dipaco.taskstore import TaskStore
+    from dipaco.storage.objects import Storage, sha256
+    from dipaco.taskqueue.runstore import config_digest
+    from dipaco.taskqueue.taskstore import TaskStore
 
     out = tmp_path / "run"
     round_1_of(reference, out)

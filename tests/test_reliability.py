@@ -14,11 +14,11 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from dipaco import checkpoint
 from dipaco.config import TrainConfig, parse_override, resolve, to_dict
 from dipaco.errors import DipacoError
-from dipaco.run import Run
-from dipaco.train import train
+from dipaco.storage import checkpoint
+from dipaco.storage.run import Run
+from dipaco.training.train import train
 
 from conftest import TINY_TRAIN, tiny_train_config
 
@@ -27,7 +27,7 @@ from conftest import TINY_TRAIN, tiny_train_config
 _KILLER = textwrap.dedent("""
     import os, signal, sys
     import safetensors.torch as st
-    import dipaco.checkpoint as ck
+    import dipaco.storage.checkpoint as ck
     calls = {"n": 0}
     real = st.save_file
     def dying_save(*args, **kwargs):
@@ -36,7 +36,7 @@ _KILLER = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         return real(*args, **kwargs)
     ck.save_file = dying_save
-    from dipaco.cli import main
+    from dipaco.cli.commands import main
     sys.exit(main(sys.argv[1:]))
 """)
 

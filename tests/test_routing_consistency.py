@@ -11,9 +11,9 @@ from dipaco.errors import DipacoError
 from dipaco.eval.documents import heldout_tokens, route_documents, shard_router, validation_tokens
 from dipaco.eval.perplexity import evaluate
 from dipaco.routing import Router
-from dipaco.run import Run
-from dipaco.shards import ShardSet
 from dipaco.sharding.writer import shard
+from dipaco.storage.run import Run
+from dipaco.storage.shards import ShardSet
 
 from conftest import shard_config
 from eval_helpers import private_run

@@ -7,8 +7,8 @@ import pytest
 
 from dipaco.errors import DipacoError
 from dipaco.routing import Router, fit_router
-from dipaco.shards import ShardSet
 from dipaco.sharding.writer import shard
+from dipaco.storage.shards import ShardSet
 
 from conftest import shard_config
 

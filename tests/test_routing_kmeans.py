@@ -9,8 +9,8 @@ import pytest
 
 from dipaco.routing import Router, fit_router
 from dipaco.routing.kmeans import calibrate_bias
-from dipaco.shards import ShardSet
 from dipaco.sharding.writer import shard
+from dipaco.storage.shards import ShardSet
 
 from conftest import shard_config
 

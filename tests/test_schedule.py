@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from dipaco import checkpoint
 from dipaco.errors import DipacoError
-from dipaco.train import train
-from dipaco.trainee import lr_at
+from dipaco.storage import checkpoint
+from dipaco.training.train import train
+from dipaco.training.trainee import lr_at
 
 from conftest import tiny_train_config
 

@@ -67,7 +67,7 @@ def test_engine_ray_without_ray_is_one_line(monkeypatch):
 
     from dipaco.sharding.engines import make_engine
 
-    for name in ("ray", "dipaco.ray_tasks", "dipaco.ray_cluster"):
+    for name in ("ray", "dipaco.taskqueue.ray_tasks", "dipaco.taskqueue.ray_cluster"):
         monkeypatch.setitem(sys.modules, name, None)  # as if the ray extra were not installed
     with pytest.raises(DipacoError) as err:
         make_engine("ray", 2, "", 4)

@@ -7,7 +7,7 @@ from dipaco.errors import DipacoError
 from dipaco.routing import Router
 from dipaco.sharding.tokenizer import encode, load_tokenizer, train_tokenizer
 from dipaco.sharding.writer import shard
-from dipaco.shards import ShardSet
+from dipaco.storage.shards import ShardSet
 
 from conftest import shard_config
 

@@ -8,11 +8,11 @@ import types
 import numpy as np
 import pytest
 
-from dipaco.cli import main
+from dipaco.cli.commands import main
 from dipaco.errors import DipacoError
-from dipaco.shards import ShardSet
 from dipaco.sharding.sources import iter_documents, iter_rows
 from dipaco.sharding.writer import shard
+from dipaco.storage.shards import ShardSet
 
 from conftest import shard_config
 

@@ -5,13 +5,13 @@ import json
 import numpy as np
 import pytest
 
-from dipaco.cli import main
+from dipaco.cli.commands import main
 from dipaco.errors import DipacoError
 from dipaco.routing import Router
 from dipaco.routing.discriminative import DiscriminativeRouter, match_bias
-from dipaco.shards import ShardSet
 from dipaco.sharding.writer import shard
-from dipaco.train import train
+from dipaco.storage.shards import ShardSet
+from dipaco.training.train import train
 
 from conftest import shard_config, tiny_train_config
 

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from dipaco.cli import main
+from dipaco.cli.commands import main
 from dipaco.errors import DipacoError
-from dipaco.lease import Lease
-from dipaco.storage import Storage
+from dipaco.storage.objects import Storage
+from dipaco.taskqueue.lease import Lease
 
 
 @pytest.mark.parametrize("root", ["local", "memory://dipaco-test-storage"])
@@ -32,7 +32,7 @@ def test_create_if_absent_is_won_once(tmp_path, root):
 
 
 def test_two_processes_race_for_one_commit_and_one_wins(tmp_path):
-    code = ("import sys; from dipaco.storage import Storage; "
+    code = ("import sys; from dipaco.storage.objects import Storage; "
             "print(Storage(sys.argv[1]).create_if_absent('commit.json', sys.argv[2].encode()))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(k)], stdout=subprocess.PIPE, text=True)
              for k in range(6)]
@@ -94,7 +94,7 @@ def test_keep_going_needs_an_address_and_resume_needs_a_run(tmp_path, capsys):
 
 
 def test_shards_from_a_url_are_copied_once_per_machine(tmp_path, monkeypatch):
-    from dipaco.runstore import local_shards
+    from dipaco.taskqueue.runstore import local_shards
 
     monkeypatch.setenv("DIPACO_CACHE", str(tmp_path / "cache"))
     url = f"memory://dipaco-shards-{os.getpid()}-{time.time_ns()}/s2x2"
@@ -119,7 +119,7 @@ def test_a_bucket_prefix_holding_someone_elses_objects_is_refused(capsys):
 def test_a_removed_latest_resumes_from_the_highest_complete_round_and_garbage_advises_no_loss(tmp_path):
     """Item 5: `checkpoints/latest` removed (as an earlier message advised) must not restart a run from round 0 over
     its rounds; a garbage one is refused with advice that keeps every round."""
-    from dipaco import checkpoint
+    from dipaco.storage import checkpoint
 
     for r in (0, 1, 2, 3):
         (tmp_path / "checkpoints" / f"round_{r}" / "state").mkdir(parents=True)

@@ -6,13 +6,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dipaco import checkpoint
-from dipaco.comm import LocalWorld
 from dipaco.errors import DipacoError
-from dipaco.outer import OuterOptimizer
-from dipaco.streaming import block_fragment, fragment_of, offsets, syncs_at
-from dipaco.sync import ModuleSync
-from dipaco.train import train
+from dipaco.storage import checkpoint
+from dipaco.training.comm import LocalWorld
+from dipaco.training.outer import OuterOptimizer
+from dipaco.training.streaming import block_fragment, fragment_of, offsets, syncs_at
+from dipaco.training.sync import ModuleSync
+from dipaco.training.train import train
 
 from conftest import tiny_train_config
 

@@ -9,15 +9,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dipaco import checkpoint
-from dipaco.cli import main
-from dipaco.comm import LocalWorld
+from dipaco.cli.commands import main
 from dipaco.config import TrainConfig, resolve
 from dipaco.errors import DipacoError
-from dipaco.outer import OuterOptimizer, renormalised
-from dipaco.phases import StepSpec, outer_step
-from dipaco.quant import quantize
-from dipaco.taskstore import TaskStore, groups, ref, tensors_bytes
+from dipaco.storage import checkpoint
+from dipaco.taskqueue.phases import StepSpec, outer_step
+from dipaco.taskqueue.taskstore import TaskStore, groups, ref, tensors_bytes
+from dipaco.training.comm import LocalWorld
+from dipaco.training.outer import OuterOptimizer, renormalised
+from dipaco.training.quant import quantize
 
 
 def test_groups_join_modules_averaged_over_the_same_trainees():
@@ -65,8 +65,8 @@ def test_damaged_queue_entries_are_removed_and_redone(tmp_path):
 
 
 def test_a_queue_is_read_only_with_the_checkpoint_and_config_it_grew_from(tmp_path):
-    from dipaco.runstore import choose_lineage
-    from dipaco.storage import Storage
+    from dipaco.storage.objects import Storage
+    from dipaco.taskqueue.runstore import choose_lineage
 
     s, said = Storage(str(tmp_path)), []
     token = choose_lineage(s, 0, "cfgA", {}, said.append)
@@ -156,15 +156,15 @@ def test_ray_engine_flag_refusals(tmp_path, capsys, args, message):
 
 def test_without_ray_the_engine_says_how_to_install_it(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ModuleNotFoundError
-    monkeypatch.delitem(sys.modules, "dipaco.ray_engine", raising=False)
+    monkeypatch.delitem(sys.modules, "dipaco.taskqueue.ray_engine", raising=False)
     rc = main(["train", "--shards", str(tmp_path / "none"), "--out", str(tmp_path / "run"), "--engine", "ray"])
     assert rc == 2 and "pip install -e '.[ray]'" in capsys.readouterr().err
 
 
 def test_a_sticky_trainees_state_comes_from_the_node_cache_only_when_its_checksum_matches(tmp_path, monkeypatch):
-    from dipaco.phases import StateCache
-    from dipaco.storage import sha256
-    from dipaco.taskstore import state_bytes
+    from dipaco.storage.objects import sha256
+    from dipaco.taskqueue.phases import StateCache
+    from dipaco.taskqueue.taskstore import state_bytes
 
     monkeypatch.setenv("DIPACO_CACHE", str(tmp_path / "cache"))
     cache = StateCache("s3://bucket/run", "L", 3)

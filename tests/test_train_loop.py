@@ -9,8 +9,8 @@ import torch
 def test_round_written_by_several_workers_moves_latest_only_when_whole(tmp_path):
     import pytest
 
-    from dipaco import checkpoint
     from dipaco.errors import DipacoError
+    from dipaco.storage import checkpoint
 
     modules = {"a": {"w": torch.ones(2, 3)}, "b": {"w": torch.zeros(4)}}
     states = {0: {"step": 1}, 1: {"step": 2}}
@@ -35,7 +35,7 @@ def test_round_losses_are_each_trainees_mean_and_logged_losses_become_floats():
     once per round), and the buffered 'inner' records turned from tensors into floats."""
     import math
 
-    from dipaco.trainee import round_losses
+    from dipaco.training.trainee import round_losses
 
     H = 4
     steps = {0: [torch.tensor(v) for v in (4.0, 3.5, 3.25, 3.0)], 1: [torch.tensor(v) for v in (2.0, 2.0, 1.0, 1.0)],

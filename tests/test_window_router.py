@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from dipaco.cli import main
+from dipaco.cli.commands import main
 from dipaco.errors import DipacoError
 from dipaco.eval.api import load
 from dipaco.eval.generate import generate

@@ -1,5 +1,5 @@
-"""One trainee and its inner step, shared by every engine (the synchronous round loop in ``dipaco.train`` and
-the Ray task queue's phases in ``dipaco.phases``): one implementation of the AdamW step, the lr schedule, the
+"""One trainee and its inner step, shared by every engine (the synchronous round loop in ``dipaco.training.train`` and
+the Ray task queue's phases in ``dipaco.taskqueue.phases``): one implementation of the AdamW step, the lr schedule, the
 fixed validation windows and the loss bookkeeping, so the engines compute the same bits.
 
 A *trainee* is one path replica with its own data and its own AdamW state (kept across rounds).
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from dipaco.config import InnerConfig, TrainConfig
-from dipaco.model import PathModel, llama_config, new_model
-from dipaco.shards import BatchSampler
+from dipaco.model.path_model import PathModel, llama_config, new_model
+from dipaco.storage.shards import BatchSampler
 
 
 @dataclass

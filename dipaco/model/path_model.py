@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dipaco.config import ModelConfig
-from dipaco.grid import Grid
+from dipaco.model.grid import Grid
 
 _BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
 

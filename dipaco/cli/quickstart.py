@@ -11,16 +11,16 @@ import time
 from pathlib import Path
 
 import dipaco
-from dipaco import checkpoint
 from dipaco.config import ShardConfig, TrainConfig, resolve
 from dipaco.eval.perplexity import evaluate
 from dipaco.eval.report import markdown_table, write_report
 from dipaco.io import write_json
-from dipaco.outputs import QUICKSTART_MARKER, check_out_dir
 from dipaco.sharding.sources import write_default_corpus
 from dipaco.sharding.writer import purity, shard
-from dipaco.shards import MANIFEST, ShardSet
-from dipaco.train import train
+from dipaco.storage import checkpoint
+from dipaco.storage.outputs import QUICKSTART_MARKER, check_out_dir
+from dipaco.storage.shards import MANIFEST, ShardSet
+from dipaco.training.train import train
 
 
 def _train_if_needed(cfg: TrainConfig, shards: Path, run: Path, progress: bool) -> None:

@@ -1,5 +1,5 @@
 """Joining a Ray cluster, or starting a local one that only this machine can reach (one of the two files that import
-ray; the other is ``dipaco.ray_engine``, and the sharding engine's Ray blocks connect through here too).
+ray; the other is ``dipaco.taskqueue.ray_engine``, and the sharding engine's Ray blocks connect through here too).
 
 ``connect(address, cpus)``:
 

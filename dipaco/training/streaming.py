@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from dipaco.model import component_of
+from dipaco.model.path_model import component_of
 
 
 def block_fragment(block: int, num_layers: int, fragments: int, layout: str = "strided") -> int:

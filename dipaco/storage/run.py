@@ -4,7 +4,7 @@ preflight, resume checks, creation, round 0), and the trained directory read bac
     RUN/config.toml     the resolved training config
     RUN/run.json        grid, vocabulary, the shard directory's fingerprint, trainees, versions
     RUN/metrics.jsonl   one JSON object per line (inner-step losses, round summaries)
-    RUN/checkpoints/    see dipaco.checkpoint
+    RUN/checkpoints/    see dipaco.storage.checkpoint
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from pathlib import Path
 import torch
 
 import dipaco
-from dipaco import checkpoint
 from dipaco.config import TrainConfig, from_dict, read_toml, to_dict, to_toml
-from dipaco.devices import resolve_device
 from dipaco.errors import DipacoError
-from dipaco.grid import Grid, format_grid, parse_grid
 from dipaco.io import atomic_write_text, read_json, write_json
-from dipaco.model import PathModel, count_parameters, init_modules, llama_config
-from dipaco.outer import module_weights
-from dipaco.shards import ShardSet
+from dipaco.model.grid import Grid, format_grid, parse_grid
+from dipaco.model.path_model import PathModel, count_parameters, init_modules, llama_config
+from dipaco.storage import checkpoint
+from dipaco.storage.shards import ShardSet
+from dipaco.training.devices import resolve_device
+from dipaco.training.outer import module_weights
 
 
 def build_grid(cfg: TrainConfig, shape: str) -> Grid:
@@ -158,7 +158,7 @@ class RunDirectory:
     def begin(self, resume: bool, world, grid: Grid, plan: Plan, worker, checkpointer: checkpoint.Checkpointer) -> tuple[int, int]:
         """On every worker: rank 0 checks the directory (resume: drops half-written rounds) or creates it, and every
         rank learns the round to start from and the lr schedule's length (or the error). A resumed ``worker``
-        (``dipaco.train.Worker``) restores its part of that round; a new run writes round 0."""
+        (``dipaco.training.train.Worker``) restores its part of that round; a new run writes round 0."""
         result = None
         if world.rank == 0:
             try:

@@ -2,18 +2,18 @@
 
     for r in rounds:
         for t in the round's H global steps:  worker.step(t)  (one AdamW step of every trainee)
-                                              sync.after_step(t)  (dipaco.sync: start the module averages
+                                              sync.after_step(t)  (dipaco.training.sync: start the module averages
                                               due after t, apply the ones due at t)
-        validate -> log the round -> checkpoint (dipaco.checkpoint.Checkpointer)
+        validate -> log the round -> checkpoint (dipaco.storage.checkpoint.Checkpointer)
 
-A *trainee* (``dipaco.trainee``) is one path replica with its own data and its own AdamW state (kept across rounds).
+A *trainee* (``dipaco.training.trainee``) is one path replica with its own data and its own AdamW state (kept across rounds).
 DiPaCo: one trainee per path on the path's shard. Dense baseline (grid '1'): one trainee on all
 shards pooled. DiLoCo (grid '1' + grid.replicas_per_shard): one trainee per shard, same path.
 
 Workers: with no launcher every trainee runs in this process (a world of one). Under torchrun the
-trainees are split into contiguous runs over the ranks (``dipaco.run.Plan``); a worker builds only its
-trainees and holds only the modules their paths use. The transport is ``dipaco.comm``; the run
-directory's lifecycle (checks, creation, resume, round 0) is ``dipaco.run.RunDirectory``. The run
+trainees are split into contiguous runs over the ranks (``dipaco.storage.run.Plan``); a worker builds only its
+trainees and holds only the modules their paths use. The transport is ``dipaco.training.comm``; the run
+directory's lifecycle (checks, creation, resume, round 0) is ``dipaco.storage.run.RunDirectory``. The run
 directory must be shared by all workers (one machine, or a shared file system across nodes).
 """
 
@@ -28,19 +28,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dipaco import checkpoint
-from dipaco.comm import World, make_world
 from dipaco.config import TrainConfig
-from dipaco.engine_steps import inner_record, round_line
-from dipaco.grid import Grid, format_grid
 from dipaco.io import log, write_json
-from dipaco.model import PathModel, llama_config, new_model
-from dipaco.outer import OuterOptimizer
-from dipaco.devices import deterministic, resolve_device
-from dipaco.run import Plan, RunDirectory, build_grid, initial_modules
-from dipaco.shards import ShardSet
-from dipaco.sync import ModuleSync
-from dipaco.trainee import Trainee, fixed_windows, inner_step, make_trainee, round_losses, validate
+from dipaco.model.grid import Grid, format_grid
+from dipaco.model.path_model import PathModel, llama_config, new_model
+from dipaco.storage import checkpoint
+from dipaco.storage.run import Plan, RunDirectory, build_grid, initial_modules
+from dipaco.storage.shards import ShardSet
+from dipaco.training.comm import World, make_world
+from dipaco.training.devices import deterministic, resolve_device
+from dipaco.training.engine_steps import inner_record, round_line
+from dipaco.training.outer import OuterOptimizer
+from dipaco.training.sync import ModuleSync
+from dipaco.training.trainee import Trainee, fixed_windows, inner_step, make_trainee, round_losses, validate
 
 
 def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume: bool = False, progress: bool = True) -> dict:

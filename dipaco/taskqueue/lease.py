@@ -17,7 +17,7 @@ import time
 import uuid
 
 from dipaco.errors import DipacoError
-from dipaco.storage import Storage
+from dipaco.storage.objects import Storage
 
 KEY = "lease.json"
 BEAT_S = 10.0

@@ -1,6 +1,6 @@
 """The steps of a round that every training engine takes the same way, defined once: the in-process and torchrun
-engine (``dipaco.train``, ``dipaco.sync``) and the Ray engine call these, so the two cannot drift apart. (Round 0's
-weights, the fourth shared step, are ``dipaco.run.initial_modules``: they belong to the run directory's creation.)
+engine (``dipaco.training.train``, ``dipaco.training.sync``) and the Ray engine call these, so the two cannot drift apart. (Round 0's
+weights, the fourth shared step, are ``dipaco.storage.run.initial_modules``: they belong to the run directory's creation.)
 
   ``inner_record``      the ``kind="inner"`` line of metrics.jsonl for one inner step, when one is due
   ``rescale_and_step``  a module's averaged outer gradient: the optional √P rescaling, then the outer Nesterov step
@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dipaco.outer import OuterOptimizer, sqrt_rescale
+from dipaco.training.outer import OuterOptimizer, sqrt_rescale
 
-if TYPE_CHECKING:  # annotations only: this file stays on the lowest floors (dipaco.sync imports it)
+if TYPE_CHECKING:  # annotations only: this file stays on the lowest floors (dipaco.training.sync imports it)
     from dipaco.config import TrainConfig
 
 

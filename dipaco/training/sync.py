@@ -6,7 +6,7 @@
   ``perform(t)``  the averages due at t (started τ steps earlier): wait, outer Nesterov step on the global
                   weights (``outer.OuterOptimizer``), merge every local copy (``streaming.merge``)
 
-No torch.distributed: the world (``dipaco.comm.World``) carries the reductions, so this runs unchanged in a
+No torch.distributed: the world (``dipaco.training.comm.World``) carries the reductions, so this runs unchanged in a
 world of one. The plain round loop is F = 1, τ = 0, α = 0: everything syncs after the last inner step of a
 round and the local weights are replaced by the new global ones.
 
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dipaco.comm import Handle, Ready, World
-from dipaco.engine_steps import rescale_and_step
-from dipaco.outer import OuterOptimizer, outer_gradient
-from dipaco.streaming import merge, split_fragments, syncs_at
+from dipaco.training.comm import Handle, Ready, World
+from dipaco.training.engine_steps import rescale_and_step
+from dipaco.training.outer import OuterOptimizer, outer_gradient
+from dipaco.training.streaming import merge, split_fragments, syncs_at
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Communication between workers. The only file that imports torch.distributed.
 
-``World`` (below) is the interface ``dipaco.sync``, ``dipaco.checkpoint`` and ``dipaco.train`` use; two
+``World`` (below) is the interface ``dipaco.training.sync``, ``dipaco.storage.checkpoint`` and ``dipaco.training.train`` use; two
 worlds implement it: ``LocalWorld`` (no launcher: every trainee in this process) and ``DistWorld``
 (torchrun). ``World.start_reduce`` is where a module's outer gradients meet: it returns a handle to every
-module's ``module_average`` (``dipaco.outer``) as the transport carries it.
+module's ``module_average`` (``dipaco.training.outer``) as the transport carries it.
 
 Transport (``comm.bits``), one definition on every layout, so a config computes the same thing on any number
 of workers (the world of one included):
@@ -50,8 +50,8 @@ from typing import Protocol
 
 import torch
 
-from dipaco.outer import module_average
-from dipaco.quant import dequantize, payload_bytes, quantize
+from dipaco.training.outer import module_average
+from dipaco.training.quant import dequantize, payload_bytes, quantize
 
 
 def flatten(tensors: dict[str, torch.Tensor]) -> torch.Tensor:

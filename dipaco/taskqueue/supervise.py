@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from dipaco.ray_cluster import reachable
+from dipaco.taskqueue.ray_cluster import reachable
 
 LOST = 75        # the driver's exit code when it could not reach the cluster (EX_TEMPFAIL)
 PROBE_S = 2.0    # seconds between probes of the cluster's address

@@ -5,7 +5,7 @@ Module average (``module_average``, weights from ``module_weights``): ``Δ_m = �
 trainees whose path contains m, with ``w_i`` proportional to the trainee's training tokens and summing to
 1 over those trainees (DiPaCo Eq. 2-3); optionally rescaled by ``sqrt(#paths through m)`` (DiPaCo §2.7).
 Everything here is fp32. With a quantized transport (``comm.bits`` < 32) the module's gradient is
-``Q_down(Σ_i w_i deq(Q_up(Δ_i)))`` on every layout (``dipaco.comm``); ``module_average`` is the one place
+``Q_down(Σ_i w_i deq(Q_up(Δ_i)))`` on every layout (``dipaco.training.comm``); ``module_average`` is the one place
 where the terms are added.
 """
 

@@ -1,18 +1,18 @@
-"""``dipaco train --engine ray``: DiPaCo's task queue on Ray (with ``dipaco.ray_cluster``, one of the two files that
+"""``dipaco train --engine ray``: DiPaCo's task queue on Ray (with ``dipaco.taskqueue.ray_cluster``, one of the two files that
 import ray).
 
 The paper trains through a queue of inner phases on shared storage: any free worker takes the next phase, outer
 executors average a module as soon as its paths' phases are in, and workers come and go. Here:
 
-  phase (trainee i, version v)   a Ray task (``dipaco.phases.run_phase``, retried without limit, with a backoff, when its
+  phase (trainee i, version v)   a Ray task (``dipaco.taskqueue.phases.run_phase``, retried without limit, with a backoff, when its
                                  worker or node is lost): H inner steps from version v of its path's modules
-  outer step (group g, v -> v+1) a method call on a restartable executor actor (``dipaco.phases.outer_step``), made
+  outer step (group g, v -> v+1) a method call on a restartable executor actor (``dipaco.taskqueue.phases.outer_step``), made
                                  as soon as every phase (i, v) of g's trainees is committed
   the driver (``TaskQueue``)     launches what is ready, assembles every finished round into the sync engine's
                                  checkpoint format, writes metrics.jsonl; it holds nothing the run directory does not
 
 No barrier between rounds: phase (i, v+1) starts when *its* modules have version v+1, while other paths may still be
-training round v. The run directory (``dipaco.taskstore``) is the source of truth and must be visible to every node;
+training round v. The run directory (``dipaco.taskqueue.taskstore``) is the source of truth and must be visible to every node;
 a killed driver loses nothing (``--resume`` rebuilds the queue from it). Same config and seed, same bits as the
 in-process engine at any ``comm.bits``, with any number of workers, through retries, lost nodes, restarted
 executors and resumed drivers. With ``ray.quorum`` a module's outer step may go ahead without late phases, which
@@ -35,24 +35,24 @@ from ray.exceptions import RayTaskError, TaskCancelledError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm.auto import tqdm
 
-from dipaco import checkpoint
 from dipaco.config import TrainConfig
-from dipaco.devices import phase_device, phase_resources
-from dipaco.engine_steps import round_line
 from dipaco.errors import DipacoError
-from dipaco.grid import format_grid
 from dipaco.io import log
-from dipaco.lease import Lease
-from dipaco.model import PathModel, llama_config
-from dipaco.outer import renormalised
-from dipaco.ray_cluster import connect
-from dipaco.phases import PhaseSpec, StepSpec, outer_step, run_phase, validate_path
-from dipaco.run import Plan, RunDirectory, build_grid, check_dense_source, initial_modules
-from dipaco.runstore import assemble, choose_lineage, config_digest, driver_mirror, local_shards, pull_run, push
-from dipaco.shards import ShardSet
-from dipaco.storage import Storage
-from dipaco.taskstore import Damaged, TaskStore, groups, ref
-from dipaco.trainee import make_trainee
+from dipaco.model.grid import format_grid
+from dipaco.model.path_model import PathModel, llama_config
+from dipaco.storage import checkpoint
+from dipaco.storage.objects import Storage
+from dipaco.storage.run import Plan, RunDirectory, build_grid, check_dense_source, initial_modules
+from dipaco.storage.shards import ShardSet
+from dipaco.taskqueue.lease import Lease
+from dipaco.taskqueue.phases import PhaseSpec, StepSpec, outer_step, run_phase, validate_path
+from dipaco.taskqueue.ray_cluster import connect
+from dipaco.taskqueue.runstore import assemble, choose_lineage, config_digest, driver_mirror, local_shards, pull_run, push
+from dipaco.taskqueue.taskstore import Damaged, TaskStore, groups, ref
+from dipaco.training.devices import phase_device, phase_resources
+from dipaco.training.engine_steps import round_line
+from dipaco.training.outer import renormalised
+from dipaco.training.trainee import make_trainee
 
 
 @ray.remote(num_cpus=1)

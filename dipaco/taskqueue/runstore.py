@@ -1,7 +1,7 @@
 """A run directory through the storage interface: its checkpoints, the queue's lineage, finished rounds assembled
 into checkpoints, and local copies of a run or shard directory kept in a bucket.
 
-A run in a bucket has the layout of a local one (``dipaco.run``, ``dipaco.checkpoint``). Commands that read it
+A run in a bucket has the layout of a local one (``dipaco.storage.run``, ``dipaco.storage.checkpoint``). Commands that read it
 (eval, generate, export, the driver's checks) work on a local copy (``pull_run``: the run's small files, and the
 checkpoints they need); the driver writes back what it changes (``push``). Shards given as a URL are copied once per
 machine into a local cache (``local_shards``).
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from dipaco import checkpoint
 from dipaco.config import TrainConfig, to_dict
-from dipaco.storage import Storage, is_url
-from dipaco.taskstore import TaskStore, state_bytes, tensors_bytes
+from dipaco.storage import checkpoint
+from dipaco.storage.objects import Storage, is_url
+from dipaco.taskqueue.taskstore import TaskStore, state_bytes, tensors_bytes
 
 HEAD_FILES = ("config.toml", "run.json", "metrics.jsonl")
 

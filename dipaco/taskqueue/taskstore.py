@@ -1,6 +1,6 @@
 """The task queue's storage: where every phase's output and every module version lives, on a local disk or in a bucket.
 
-The Ray engine (``dipaco.ray_engine``) keeps no state of its own: storage is the source of truth, so a driver, a
+The Ray engine (``dipaco.taskqueue.ray_engine``) keeps no state of its own: storage is the source of truth, so a driver, a
 worker or a whole cluster can die and a new driver rebuilds the queue from what is committed here.
 
     RUN/queue/lineage.json                     which queue belongs to which checkpoint and config (below)
@@ -43,7 +43,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from dipaco.errors import DipacoError
-from dipaco.storage import Storage, sha256
+from dipaco.storage.objects import Storage, sha256
 
 
 def groups(weights: dict[str, dict[int, float]]) -> dict[str, list[str]]:

@@ -36,7 +36,7 @@ from dipaco.errors import DipacoError
 from dipaco.io import atomic_write_text, commit_dir, read_json, write_json
 
 if TYPE_CHECKING:
-    from dipaco.comm import World
+    from dipaco.training.comm import World
 
 
 def round_dir(run: str | Path, r: int) -> Path:

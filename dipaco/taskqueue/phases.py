@@ -1,14 +1,14 @@
 """The Ray engine's tasks, without Ray: a phase, an outer step, a validation. Each reads its inputs from the run
-directory, local or in a bucket (``dipaco.taskstore``), computes with the code every engine shares, and commits its
+directory, local or in a bucket (``dipaco.taskqueue.taskstore``), computes with the code every engine shares, and commits its
 output with a commit record that only the first attempt creates.
 
   ``run_phase``    trainee i, version v: load the path's modules at version v and the trainee's state, validate the
-                   path's global weights (its validator trainee), take H inner steps (``dipaco.trainee.inner_step``),
+                   path's global weights (its validator trainee), take H inner steps (``dipaco.training.trainee.inner_step``),
                    write every module's outer gradient ``Δ_i = θ_global − θ_i`` as it travels (fp32, or the
                    comm.bits payload ``Q_up(Δ_i)``) and the new trainee state
   ``outer_step``   a group of modules, version v -> v+1: the payloads of its phases, reduced exactly as the sync
-                   engine reduces them (``dipaco.comm.reduce_arrived``: weighted sum in trainee order, then
-                   ``Q_down``), optional √P rescaling, the outer Nesterov step (``dipaco.outer.OuterOptimizer``)
+                   engine reduces them (``dipaco.training.comm.reduce_arrived``: weighted sum in trainee order, then
+                   ``Q_down``), optional √P rescaling, the outer Nesterov step (``dipaco.training.outer.OuterOptimizer``)
   ``validate``     the validation loss of one path at one version, for rounds no phase validated (the last one)
 
 Same inputs, same bits: a task pins its torch threads (``threads``, as every engine does), and nothing it computes depends on which
@@ -30,26 +30,26 @@ from dataclasses import dataclass
 
 import torch
 
-from dipaco.comm import flatten, reduce_arrived, unflatten
 from dipaco.config import TrainConfig
-from dipaco.devices import deterministic
-from dipaco.grid import Grid
-from dipaco.model import llama_config, new_model
-from dipaco.engine_steps import inner_record, rescale_and_step
-from dipaco.outer import OuterOptimizer, outer_gradient
-from dipaco.quant import dequantize, quantize
-from dipaco.shards import ShardSet
-from dipaco.runstore import cache_root, local_shards
-from dipaco.storage import sha256
-from dipaco.taskstore import Damaged, TaskStore, state_bytes, tensors_bytes
-from dipaco.trainee import fixed_windows, inner_step, make_trainee, round_losses, validate
+from dipaco.model.grid import Grid
+from dipaco.model.path_model import llama_config, new_model
+from dipaco.storage.objects import sha256
+from dipaco.storage.shards import ShardSet
+from dipaco.taskqueue.runstore import cache_root, local_shards
+from dipaco.taskqueue.taskstore import Damaged, TaskStore, state_bytes, tensors_bytes
+from dipaco.training.comm import flatten, reduce_arrived, unflatten
+from dipaco.training.devices import deterministic
+from dipaco.training.engine_steps import inner_record, rescale_and_step
+from dipaco.training.outer import OuterOptimizer, outer_gradient
+from dipaco.training.quant import dequantize, quantize
+from dipaco.training.trainee import fixed_windows, inner_step, make_trainee, round_losses, validate
 
 
 @dataclass
 class PhaseSpec:
     """Everything a phase needs, resolved by the driver (small: paths, names and numbers)."""
     run: str                    # the run's location: a local path or a URL
-    lineage: str                # the queue it commits into (``dipaco.taskstore``)
+    lineage: str                # the queue it commits into (``dipaco.taskqueue.taskstore``)
     shards: str
     cfg: TrainConfig
     grid: Grid
@@ -63,7 +63,7 @@ class PhaseSpec:
     exact_state: bool           # False: the state from before a dropped phase (its step moves to this round's)
     validate: bool              # this trainee validates its path at ``version`` (and no one has yet)
     val_sources: list[str]      # the shard paths of the path's validation windows (all its trainees' shards)
-    device: str = "cpu"         # where its inner steps run (``dipaco.devices.phase_device``); outer state stays fp32
+    device: str = "cpu"         # where its inner steps run (``dipaco.training.devices.phase_device``); outer state stays fp32
 
 
 @dataclass

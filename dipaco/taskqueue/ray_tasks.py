@@ -13,7 +13,7 @@ from typing import Callable
 import ray
 from ray.exceptions import RayTaskError
 
-from dipaco.ray_cluster import connect
+from dipaco.taskqueue.ray_cluster import connect
 
 
 def _call(fn, *args):

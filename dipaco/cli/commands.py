@@ -10,13 +10,13 @@ from pathlib import Path
 
 from dipaco import command_config as CC
 from dipaco import config as C
+from dipaco.cli.flags import Parser, add_flags, config_args, flags_of, set_arg
 from dipaco.errors import DipacoError
-from dipaco.flags import Parser, add_flags, config_args, flags_of, set_arg
-from dipaco.outputs import check_out_dir, check_out_file, check_writable, os_error_line
-from dipaco.ray_cluster import ClusterUnreachable
-from dipaco.runstore import local_shards, pull_run
-from dipaco.storage import Storage, is_url
-from dipaco.supervise import LOST
+from dipaco.storage.objects import Storage, is_url
+from dipaco.storage.outputs import check_out_dir, check_out_file, check_writable, os_error_line
+from dipaco.taskqueue.ray_cluster import ClusterUnreachable
+from dipaco.taskqueue.runstore import local_shards, pull_run
+from dipaco.taskqueue.supervise import LOST
 
 
 def _resolve(args, cls):
@@ -103,7 +103,7 @@ def cmd_inspect(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from dipaco.train import train
+    from dipaco.training.train import train
 
     cfg = _resolve(args, C.TrainConfig)
     if args.workers is not None and args.workers < 1:  # 0 too: it is not "no workers", it is nonsense
@@ -125,8 +125,8 @@ def cmd_train(args) -> None:
     if cfg.engine == "ray":
         return _train_on_ray(cfg, args)
     if args.workers:
-        from dipaco.launch import launch_local
-        from dipaco.run import preflight
+        from dipaco.storage.run import preflight
+        from dipaco.training.launch import launch_local
 
         preflight(cfg, args.shards, args.out, args.resume, args.workers)  # bad input: exit code 2, no worker started
         return launch_local(args.workers, _without_workers(args.argv), args.max_restarts)
@@ -144,14 +144,14 @@ def _train_on_ray(cfg, args) -> None:
     if os.environ.get("WORLD_SIZE", "1") != "1":
         raise DipacoError("--engine ray runs one driver, not one per torchrun rank; start it without torchrun")
     if cfg.ray.address and not args.keep_going:  # before anything else: a wrong address costs one line, at once
-        from dipaco.ray_cluster import reachable, start_hint
+        from dipaco.taskqueue.ray_cluster import reachable, start_hint
 
         if why := reachable(cfg.ray.address):
             raise ClusterUnreachable(f"no Ray cluster answers at --address {cfg.ray.address} ({why}); "
                                      f"{start_hint(cfg.ray.address)}")
     if args.keep_going:
-        from dipaco.ray_cluster import split_address
-        from dipaco.supervise import supervise
+        from dipaco.taskqueue.ray_cluster import split_address
+        from dipaco.taskqueue.supervise import supervise
 
         if not cfg.ray.address:
             raise DipacoError("--keep-going waits for a cluster at --address; without --address the local Ray lives and "
@@ -160,7 +160,7 @@ def _train_on_ray(cfg, args) -> None:
         return supervise([a for a in args.argv if a != "--keep-going"], cfg.ray.address,
                          lambda: Storage(args.out).exists("run.json"))
     try:
-        from dipaco.ray_engine import train_ray
+        from dipaco.taskqueue.ray_engine import train_ray
     except ModuleNotFoundError as exc:
         if exc.name != "ray" and not (exc.name or "").startswith("ray."):
             raise
@@ -315,7 +315,7 @@ def cmd_export(args) -> None:
 
 
 def cmd_quickstart(args) -> None:
-    from dipaco.quickstart import quickstart
+    from dipaco.cli.quickstart import quickstart
 
     flags = flags_of(args)  # --rounds, --inner-steps, --preset: given ones replace quickstart's defaults
     quickstart(args.out, **flags, overrides=args.overrides, progress=not args.quiet)
