@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -100,7 +99,7 @@ def input_files(data: Path) -> list[Path]:
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dipaco.cli", *args]
+    return [*store.CLI, *args]
 
 
 class Corpus:
