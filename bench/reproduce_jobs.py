@@ -173,7 +173,7 @@ def unit_child(spec: dict) -> None:
         argv = list(spec["command"])
         if run is not None and (run / "checkpoints").is_dir() and "--resume" not in argv:
             argv.append("--resume")
-        if argv[1:3] == ["-m", "dipaco.cli"]:  # in this process: the imports cost more than a tiny training
+        if argv[:3] == store.CLI:  # in this process: the imports cost more than a tiny training
             from dipaco.cli.commands import main
 
             rc = main(argv[3:])

@@ -20,10 +20,14 @@ from pathlib import Path
 # Bump when a change of the benchmark or of dipaco changes what a job measures: every durable result is then stale.
 PROTOCOL = 3
 
+# How a job calls dipaco; hashed as one word, so moving the CLI's module does not make every result stale.
+CLI = [sys.executable, "-m", "dipaco.cli"]
+
 
 def fingerprint(spec: dict, out: Path, deps: dict[str, str]) -> str:
     """sha256 (16 hex digits) of a job's spec with --out written as OUT, and its dependencies' fingerprints."""
     text = json.dumps({"spec": spec, "deps": dict(sorted(deps.items())), "protocol": PROTOCOL}, sort_keys=True)
+    text = text.replace(json.dumps(CLI)[1:-1], '"DIPACO"')
     text = text.replace(str(out), "OUT").replace(sys.executable, "PYTHON")  # where it ran says nothing
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -60,6 +60,38 @@ def reshard(run_dir: str | Path, shards_dir: str | Path, out: str | Path, target
     """Write SHARDS2 ``out`` re-routed by a discriminative router fitted on ``run_dir``'s loss labels."""
     began = time.perf_counter()
     out = Path(out)
+    shards, run, old = _check_inputs(run_dir, shards_dir, out, target, holdout_fraction, overwrite)
+    docs, ids = _router_documents(shards, run, max_tokens)
+    new, scores = _fit_router(shards, run, old, docs, ids, target, holdout_fraction, seed, at_round, progress)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        shutil.copytree(shards.root / "tokenizer", tmp / "tokenizer")
+        new.save(tmp / "router")
+        writer = ShardWriter(tmp, shards.paths, shards.dtype, shards.eos_token_id)
+        moved, total = _route_documents(shards, new, writer, progress)
+        writer.close()
+        # the tokenizer is copied byte for byte: keep its hash (whatever definition the source shards used)
+        sealed = writer.seal(shards.manifest["tokenizer"]["sha256"])
+        report = {**scores, "moved_share": moved / total if total else 0.0, "moved_documents": moved,
+                  "documents": total, "seconds": round(time.perf_counter() - began, 2)}
+        writer.write_manifest({
+            **shards.manifest,  # the source's fields in their order; the content fields are new
+            "paths": writer.stats, "labels_per_path": {p: {} for p in shards.paths},  # labels are not stored per token document
+            "tokens": writer.tokens, "path_sizes": histogram(writer.documents()),
+            "router": {"sha256": sealed.router_sha256, **sealed.router},
+            "tokenizer": {**shards.manifest["tokenizer"], "sha256": sealed.tokenizer_sha256},
+            "route_agreement": route_agreement(tmp),
+            "purity": {"train": None, "heldout": heldout_purity(tmp)},
+            "fingerprint": sealed.fingerprint, "reshard": {"source": str(shards.root.resolve()), "run": str(run.root.resolve()),
+                                                           **report},
+            "versions": {"dipaco": dipaco.__version__},
+        })
+        if (shards.root / "config.toml").is_file():
+            shutil.copyfile(shards.root / "config.toml", tmp / "config.toml")
+    return report
+
+
+def _check_inputs(run_dir, shards_dir, out: Path, target: str, holdout_fraction: float, overwrite: bool):
+    """(shards, run, the shards' router), or one line naming what does not fit together."""
     if out.exists() and not overwrite:
         raise DipacoError(f"{out} already exists; choose another --out or pass --overwrite")
     if target not in ("current", "uniform"):
@@ -73,23 +105,32 @@ def reshard(run_dir: str | Path, shards_dir: str | Path, out: str | Path, target
                           f"pass the shards it was trained on (--shards {run.info.get('shards_dir')})")
     if run.is_dense:
         raise DipacoError(f"run {run.root} is a dense run (one path); re-sharding needs a run with one path per shard")
-    paths = shards.paths
-    if run.grid.paths != paths:
-        raise DipacoError(f"run {run.root} has paths {run.grid.paths}, the shards {paths}; use the matching run")
+    if run.grid.paths != shards.paths:
+        raise DipacoError(f"run {run.root} has paths {run.grid.paths}, the shards {shards.paths}; use the matching run")
     old = Router.load(shards.root / "router")
     if old.features is None:
         raise DipacoError(f"the router of {shards.root} ({old.kind}) has no features to fit a discriminative router on; "
                           f"re-shard with --assign kmeans")
-    docs = shards.router_docs()
-    tok = shards.tokenizer()
+    return shards, run, old
+
+
+def _router_documents(shards: ShardSet, run: Run, max_tokens: int) -> tuple[list[dict], list[list[int]]]:
+    """The shards' router documents longer than the routing context, and their tokens (at most max_tokens)."""
+    paths, docs = shards.paths, shards.router_docs()
     context = run.config.eval.context_tokens
-    ids = [t[:max_tokens] for t in encode(tok, [d["text"] for d in docs])]
+    ids = [t[:max_tokens] for t in encode(shards.tokenizer(), [d["text"] for d in docs])]
     keep = [i for i, t in enumerate(ids) if len(t) > context + 1]
     if len(keep) < max(10, 2 * len(paths)):
         raise DipacoError(f"{shards.root} has {len(keep)} router documents longer than {context} tokens; re-shard with a "
                           f"larger data.router_fraction (need at least {max(10, 2 * len(paths))})")
-    docs, ids = [docs[i] for i in keep], [ids[i] for i in keep]
+    return [docs[i] for i in keep], [ids[i] for i in keep]
 
+
+def _fit_router(shards: ShardSet, run: Run, old: Router, docs: list[dict], ids: list[list[int]], target: str,
+                holdout_fraction: float, seed: int, at_round: int | None, progress: bool) -> tuple[Router, dict]:
+    """The discriminative router fitted on the run's best path per router document (its loss label), and its scores
+    on the held-back share of those documents beside the k-means router's."""
+    paths = shards.paths
     losses = loss_matrix(run, paths, ids, at_round, progress)
     labels = losses.argmin(axis=1)
     x = old.features.transform(old.input.texts_of_ids(ids))  # the same prefix features eval will route by
@@ -104,76 +145,57 @@ def reshard(run_dir: str | Path, shards_dir: str | Path, out: str | Path, target
                      "source_shards": shards.fingerprint, "target_mode": target})
     predicted = new.path_distances(x[test]).argmin(axis=1)
     kmeans_pred = old.path_distances(x[test]).argmin(axis=1)
-    scores = {"router_documents": len(docs), "fit_documents": int(len(fit)), "test_documents": int(len(test)),
-              "accuracy": float((predicted == labels[test]).mean()),
-              "kmeans_accuracy": float((kmeans_pred == labels[test]).mean()),
-              "label_shares": (np.bincount(labels, minlength=len(paths)) / len(labels)).round(4).tolist(),
-              "mean_loss_assigned_kmeans": float(losses[test, kmeans_pred].mean()),
-              "mean_loss_assigned_discriminative": float(losses[test, predicted].mean()),
-              "mean_loss_oracle": float(losses[test, labels[test]].mean())}
+    return new, {"router_documents": len(docs), "fit_documents": int(len(fit)), "test_documents": int(len(test)),
+                 "accuracy": float((predicted == labels[test]).mean()),
+                 "kmeans_accuracy": float((kmeans_pred == labels[test]).mean()),
+                 "label_shares": (np.bincount(labels, minlength=len(paths)) / len(labels)).round(4).tolist(),
+                 "mean_loss_assigned_kmeans": float(losses[test, kmeans_pred].mean()),
+                 "mean_loss_assigned_discriminative": float(losses[test, predicted].mean()),
+                 "mean_loss_oracle": float(losses[test, labels[test]].mean())}
 
+
+def _route_documents(shards: ShardSet, new: Router, writer: ShardWriter, progress: bool) -> tuple[int, int]:
+    """Every training and validation document of the shards written to the path(s) ``new`` routes it to, and the
+    held-out and router documents' files with their new path; (documents moved to another path, documents)."""
+    paths = shards.paths
     overlap = int(shards.manifest.get("config", {}).get("routing", {}).get("overlap", 1))
-    with atomic_dir(out, overwrite=overwrite) as tmp:
-        shutil.copytree(shards.root / "tokenizer", tmp / "tokenizer")
-        new.save(tmp / "router")
-        writer = ShardWriter(tmp, paths, shards.dtype, shards.eos_token_id)
-        moved = total = 0
-        seen: set[bytes] = set()
-        batch: list[tuple[np.ndarray, str, str]] = []  # (tokens, old path, split)
+    moved = total = 0
+    seen: set[bytes] = set()
+    batch: list[tuple[np.ndarray, str, str]] = []  # (tokens, old path, split)
 
-        def flush():
-            nonlocal moved, total
-            d = new.distances_of_ids([t[:-1] for t, _, _ in batch])  # without the EOS the writer appended
-            primary = d.argmin(axis=1)
-            for (tokens, was, split), targets in zip(batch, top_paths(d, primary, overlap)):
-                chosen = targets if split == "train" else targets[:1]
-                writer.write(tokens, [paths[j] for j in chosen], split, None)
-                moved += paths[chosen[0]] != was
-                total += 1
-            batch.clear()
+    def flush():
+        nonlocal moved, total
+        d = new.distances_of_ids([t[:-1] for t, _, _ in batch])  # without the EOS the writer appended
+        primary = d.argmin(axis=1)
+        for (tokens, was, split), targets in zip(batch, top_paths(d, primary, overlap)):
+            chosen = targets if split == "train" else targets[:1]
+            writer.write(tokens, [paths[j] for j in chosen], split, None)
+            moved += paths[chosen[0]] != was
+            total += 1
+        batch.clear()
 
-        bar = tqdm(total=sum(shards.manifest["paths"][p]["train_docs"] + shards.manifest["paths"][p]["val_docs"] for p in paths),
-                   desc="re-shard", unit="doc", disable=not progress, dynamic_ncols=True)
-        for p in paths:
-            for split in ("train", "val"):
-                tokens, offsets = shards.tokens(p, split), shards.doc_offsets(p, split)
-                for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-                    bar.update(1)
-                    doc = np.asarray(tokens[a:b])
-                    if overlap > 1 and split == "train":  # an overlapped document is stored once per path
-                        digest = hashlib.blake2b(doc.tobytes(), digest_size=16).digest()
-                        if digest in seen:
-                            continue
-                        seen.add(digest)
-                    batch.append((doc, p, split))
-                    if len(batch) >= 512:
-                        flush()
-        if batch:
-            flush()
-        bar.close()
-        for folder in DOC_FOLDERS:
-            rows = read_docs(shards.root, folder)
-            for r, path in zip(rows, new.route([r["text"] for r in rows]) if rows else []):
-                writer.write_doc(folder, {**r, "path": path})
-        writer.close()
-
-        # the tokenizer is copied byte for byte: keep its hash (whatever definition the source shards used)
-        sealed = writer.seal(shards.manifest["tokenizer"]["sha256"])
-        report = {**scores, "moved_share": moved / total if total else 0.0, "moved_documents": moved,
-                  "documents": total, "seconds": round(time.perf_counter() - began, 2)}
-        writer.write_manifest({
-            **shards.manifest,  # the source's fields in their order; the content fields are new
-            "paths": writer.stats, "labels_per_path": {p: {} for p in paths},  # labels are not stored per token document
-            "tokens": writer.tokens, "path_sizes": histogram(writer.documents()),
-            "router": {"sha256": sealed.router_sha256, **sealed.router},
-            "tokenizer": {**shards.manifest["tokenizer"], "sha256": sealed.tokenizer_sha256},
-            "route_agreement": route_agreement(tmp),
-            "purity": {"train": None, "heldout": heldout_purity(tmp)},
-            "fingerprint": sealed.fingerprint, "reshard": {"source": str(shards.root.resolve()), "run": str(run.root.resolve()),
-                                                           **report},
-            "versions": {"dipaco": dipaco.__version__},
-        })
-        if (shards.root / "config.toml").is_file():
-            shutil.copyfile(shards.root / "config.toml", tmp / "config.toml")
-    return report
+    bar = tqdm(total=sum(shards.manifest["paths"][p]["train_docs"] + shards.manifest["paths"][p]["val_docs"] for p in paths),
+               desc="re-shard", unit="doc", disable=not progress, dynamic_ncols=True)
+    for p in paths:
+        for split in ("train", "val"):
+            tokens, offsets = shards.tokens(p, split), shards.doc_offsets(p, split)
+            for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+                bar.update(1)
+                doc = np.asarray(tokens[a:b])
+                if overlap > 1 and split == "train":  # an overlapped document is stored once per path
+                    digest = hashlib.blake2b(doc.tobytes(), digest_size=16).digest()
+                    if digest in seen:
+                        continue
+                    seen.add(digest)
+                batch.append((doc, p, split))
+                if len(batch) >= 512:
+                    flush()
+    if batch:
+        flush()
+    bar.close()
+    for folder in DOC_FOLDERS:
+        rows = read_docs(shards.root, folder)
+        for r, path in zip(rows, new.route([r["text"] for r in rows]) if rows else []):
+            writer.write_doc(folder, {**r, "path": path})
+    return moved, total
 

@@ -48,7 +48,7 @@ from dipaco.taskqueue.lease import Lease
 from dipaco.taskqueue.phases import PhaseSpec, StepSpec, outer_step, run_phase, validate_path
 from dipaco.taskqueue.ray_cluster import connect
 from dipaco.taskqueue.runstore import assemble, choose_lineage, config_digest, driver_mirror, local_shards, pull_run, push
-from dipaco.taskqueue.taskstore import Damaged, TaskStore, groups, ref
+from dipaco.taskqueue.taskstore import Damaged, Ledger, ModuleGroups, TaskStore, ref
 from dipaco.training.devices import phase_device, phase_resources
 from dipaco.training.engine_steps import round_line
 from dipaco.training.outer import renormalised
@@ -156,12 +156,9 @@ class TaskQueue:
         self.task_options = {"max_retries": cfg.ray.max_retries,
                              **phase_resources(device, cfg.trainee_threads, cfg.ray.gpus_per_phase)}
         self.shards_location, self.local = str(shards_location), local  # local: the driver's view of the run
-        self.start, self.R, self.H, self.schedule = start, cfg.rounds, cfg.inner_steps, schedule_steps
-        self.T = len(plan.trainees)
-        self.groups = groups(plan.weights)
-        self.group_of = {m: g for g, ms in self.groups.items() for m in ms}
-        self.members = {g: sorted(plan.weights[ms[0]]) for g, ms in self.groups.items()}
-        self.trainee_groups = [sorted({self.group_of[m] for m in grid.path_modules(p)}) for p in plan.paths]
+        self.start, self.rounds, self.inner_steps, self.schedule = start, cfg.rounds, cfg.inner_steps, schedule_steps
+        self.num_trainees = len(plan.trainees)
+        self.groups = ModuleGroups.of(plan, grid)
         with torch.device("meta"):
             skeleton = PathModel(grid, plan.paths[0], llama_config(cfg.model, shards.vocab_size, shards.eos_token_id))
         self.layout = {}
@@ -171,30 +168,21 @@ class TaskQueue:
         self.val_sources = {p: [s for q, ss in plan.trainees if q == p for s in ss] for p in plan.paths}
         self.checkpoints = {r for r in checkpoint.list_rounds(local) if r <= start}
         self.executors = [_Executor.remote(store.run, store.lineage, k) for k in range(cfg.ray.executors)]
-        # what storage holds at versions >= start, verified (a resumed driver picks up every committed task)
-        self.phase_commits, self.step_commits, self.dropped, self.validated = store.scan(start, _say)
-        self.dropped = {(i, v) for i, v in self.dropped if v < self.R and i < self.T}
-        self.done = {(i, v) for i, v in self.phase_commits if v < self.R and i < self.T and (i, v) not in self.dropped}
-        self.versions = {(g, v) for g, v in self.step_commits if g in self.groups and start < v <= self.R}
-        self.vals: dict[tuple[str, int], float | None] = {}
+        self.ledger = Ledger.scan(store, start, self.rounds, self.num_trainees, self.groups, local, _say)
         self.last_node: dict[int, str] = {}  # trainee -> the node of its last committed phase (sticky trainees)
         self.inflight: dict = {}  # ObjectRef -> ("phase", i, v) | ("step", g, v) | ("val", path, v)
         self.quorum_since: dict[tuple[str, int], float] = {}
-        self.logged = logged_rounds(local)
         self.next_round = start + 1
-        # version -> when its last outer step came back (a round's clock; versions a resumed driver finds: now)
-        self.finished_at = {v: time.time() for v in range(start, self.R + 1)
-                            if v == start or all((g, v) in self.versions for g in self.groups)}
-        self.bar = tqdm(total=(self.R - start) * self.T * self.H, desc=f"train {local.name if not store.storage.remote else store.run} (ray)", unit="step",
+        self.bar = tqdm(total=(self.rounds - start) * self.num_trainees * self.inner_steps, desc=f"train {local.name if not store.storage.remote else store.run} (ray)", unit="step",
                         disable=not progress, dynamic_ncols=True, mininterval=1.0)
-        self.bar.update(len(self.done) * self.H)
+        self.bar.update(len(self.ledger.done) * self.inner_steps)
         self.metrics = open(local / "metrics.jsonl", "a", encoding="utf-8")
         self.counts = {"retried": 0, "dropped": 0, "storage_read": 0, "storage_written": 0}
 
     # ----------------------------------------------------------------------------------------------- the loop
     def run(self) -> dict:
         try:
-            while self.next_round <= self.R:
+            while self.next_round <= self.rounds:
                 self.launch_ready()
                 refs = list(self.inflight)
                 ready, _ = ray.wait(refs, num_returns=1, timeout=self.wait_s()) if refs else ([], [])
@@ -213,29 +201,29 @@ class TaskQueue:
         return max(0.01, min(t + self.cfg.ray.grace - time.time() for t in self.quorum_since.values()))
 
     def settled(self, i: int, v: int) -> bool:
-        return (i, v) in self.done or (i, v) in self.dropped
+        return (i, v) in self.ledger.done or (i, v) in self.ledger.dropped
 
     def has_version(self, g: str, v: int) -> bool:
-        return v == self.start or (g, v) in self.versions
+        return v == self.start or (g, v) in self.ledger.versions
 
     def busy(self) -> set:
         return set(self.inflight.values())
 
     def launch_ready(self) -> None:
         busy = self.busy()
-        for i in range(self.T):  # each trainee's next phase, once its modules have that version
-            v = next((v for v in range(self.start, self.R) if not self.settled(i, v)), None)
-            if v is not None and ("phase", i, v) not in busy and all(self.has_version(g, v) for g in self.trainee_groups[i]):
+        for i in range(self.num_trainees):  # each trainee's next phase, once its modules have that version
+            v = next((v for v in range(self.start, self.rounds) if not self.settled(i, v)), None)
+            if v is not None and ("phase", i, v) not in busy and all(self.has_version(g, v) for g in self.groups.of_trainee[i]):
                 self.launch_phase(i, v)
-        for g, trainees in self.members.items():  # each group's next outer step, once its phases are in
-            v = next((v for v in range(self.start, self.R) if (g, v + 1) not in self.versions), None)
+        for g, trainees in self.groups.members.items():  # each group's next outer step, once its phases are in
+            v = next((v for v in range(self.start, self.rounds) if (g, v + 1) not in self.ledger.versions), None)
             if v is not None and ("step", g, v) not in busy and all(self.settled(i, v) for i in trainees):
                 self.launch_step(g, v)
         v = self.next_round  # validations no phase makes: the last round, or a validator whose phase was dropped
         for p, i in self.validator.items():
-            needed = v == self.R or (i, v) in self.dropped
-            if (needed and (p, v) not in self.vals and ("val", p, v) not in busy and (p, v) not in self.validated
-                    and all(self.has_version(g, v) for g in self.trainee_groups[i])):
+            needed = v == self.rounds or (i, v) in self.ledger.dropped
+            if (needed and (p, v) not in self.ledger.val_loss and ("val", p, v) not in busy and (p, v) not in self.ledger.validated
+                    and all(self.has_version(g, v) for g in self.groups.of_trainee[i])):
                 files = {m: self.module_ref(m, v) for m in self.grid.path_modules(p)}
                 task = _validate.options(**self.task_options).remote(
                     self.store.run, self.store.lineage, self.shards_location, self.cfg, self.grid, p, self.val_sources[p],
@@ -247,13 +235,13 @@ class TaskQueue:
         """Version v of module m: round v's checkpoint when there is one (checkpoints win), else the queue's commit."""
         if v in self.checkpoints:
             return ref(f"checkpoints/round_{v}/modules/{m}.safetensors")
-        g = self.group_of[m]
-        return self.store.object_ref(self.store.version_key(v, g), self.step_commits[(g, v)], f"{m}.safetensors")
+        g = self.groups.of_module[m]
+        return self.store.object_ref(self.store.version_key(v, g), self.ledger.steps[(g, v)], f"{m}.safetensors")
 
     def outer_ref(self, g: str, v: int) -> dict:
         if v in self.checkpoints:
             return ref(f"checkpoints/round_{v}/state/outer.safetensors")
-        return self.store.object_ref(self.store.version_key(v, g), self.step_commits[(g, v)], "outer.safetensors")
+        return self.store.object_ref(self.store.version_key(v, g), self.ledger.steps[(g, v)], "outer.safetensors")
 
     def state_ref(self, i: int, v: int) -> tuple[dict, bool]:
         """(ref, is_exact) of trainee i's state at version v: the committed phase (i, v-1), or round v's checkpoint.
@@ -261,19 +249,19 @@ class TaskQueue:
         u = v
         while True:
             if u in self.checkpoints:  # assembled from this queue: the phase's checksum holds for the copy too
-                body = self.phase_commits.get((i, u - 1)) if (i, u - 1) not in self.dropped else None
+                body = self.ledger.phases.get((i, u - 1)) if (i, u - 1) not in self.ledger.dropped else None
                 digest = body["objects"]["state.pt"]["sha256"] if body and "state.pt" in body["objects"] else ""
                 return ref(f"checkpoints/round_{u}/state/trainee_{i}.pt", digest), u == v
-            if (i, u - 1) not in self.dropped:
+            if (i, u - 1) not in self.ledger.dropped:
                 key = self.store.phase_key(u - 1, i)
-                return self.store.object_ref(key, self.phase_commits[(i, u - 1)], "state.pt"), u == v
+                return self.store.object_ref(key, self.ledger.phases[(i, u - 1)], "state.pt"), u == v
             u -= 1
 
     def launch_phase(self, i: int, v: int) -> None:
         path, sources = self.plan.trainees[i]
         state, exact = self.state_ref(i, v)
         files = {m: self.module_ref(m, v) for m in self.grid.path_modules(path)}
-        validate = v > self.start and self.validator.get(path) == i and (path, v) not in self.validated
+        validate = v > self.start and self.validator.get(path) == i and (path, v) not in self.ledger.validated
         spec = PhaseSpec(self.store.run, self.store.lineage, self.shards_location, self.cfg, self.grid, i, path, sources, v,
                          self.schedule, files, state, exact, validate, self.val_sources[path], self.device)
         options = dict(self.task_options)
@@ -284,16 +272,16 @@ class TaskQueue:
         self.inflight[_phase.options(**options).remote(spec)] = ("phase", i, v)
 
     def launch_step(self, g: str, v: int) -> None:
-        contributors = [i for i in self.members[g] if (i, v) in self.done]
-        weights = {m: self.plan.weights[m] for m in self.groups[g]}
-        if len(contributors) < len(self.members[g]):  # a quorum dropped some: the rest share the whole weight
+        contributors = [i for i in self.groups.members[g] if (i, v) in self.ledger.done]
+        weights = {m: self.plan.weights[m] for m in self.groups.modules[g]}
+        if len(contributors) < len(self.groups.members[g]):  # a quorum dropped some: the rest share the whole weight
             weights = {m: renormalised(ws, contributors) for m, ws in weights.items()}
-        deltas = {i: self.store.object_ref(self.store.phase_key(v, i), self.phase_commits[(i, v)], "deltas.safetensors")
+        deltas = {i: self.store.object_ref(self.store.phase_key(v, i), self.ledger.phases[(i, v)], "deltas.safetensors")
                   for i in contributors}
-        spec = StepSpec(self.store.run, self.store.lineage, self.cfg, g, v, {m: self.layout[m] for m in self.groups[g]},
-                        {m: self.module_ref(m, v) for m in self.groups[g]}, self.outer_ref(g, v), deltas, weights,
-                        {m: len(self.grid.paths_through(m)) for m in self.groups[g]})
-        executor = self.executors[list(self.groups).index(g) % len(self.executors)]
+        spec = StepSpec(self.store.run, self.store.lineage, self.cfg, g, v, {m: self.layout[m] for m in self.groups.modules[g]},
+                        {m: self.module_ref(m, v) for m in self.groups.modules[g]}, self.outer_ref(g, v), deltas, weights,
+                        {m: len(self.grid.paths_through(m)) for m in self.groups.modules[g]})
+        executor = self.executors[list(self.groups.modules).index(g) % len(self.executors)]
         self.inflight[executor.step.remote(spec)] = ("step", g, v)
 
     def finish(self, ref) -> None:
@@ -311,38 +299,38 @@ class TaskQueue:
             raise DipacoError(f"{describe(kind, who, v)} was lost {self.cfg.ray.max_retries + 1} times "
                               f"({type(exc).__name__}); check the cluster's workers, or set ray.max_retries=-1 "
                               f"(without limit, the default)") from None
-        if kind == "phase" and (who, v) not in self.dropped:
-            self.phase_commits[(who, v)] = self.store.read_commit(self.store.phase_key(v, who))
+        if kind == "phase" and (who, v) not in self.ledger.dropped:
+            self.ledger.phases[(who, v)] = self.store.read_commit(self.store.phase_key(v, who))
             self.last_node[who] = result["node"] if result.get("committed") else self.last_node.get(who)
-            self.done.add((who, v))
-            self.bar.update(self.H)
+            self.ledger.done.add((who, v))
+            self.bar.update(self.inner_steps)
         elif kind == "step":
-            self.step_commits[(who, v + 1)] = self.store.read_commit(self.store.version_key(v + 1, who))
-            self.versions.add((who, v + 1))
-            if all((g, v + 1) in self.versions for g in self.groups):
-                self.finished_at[v + 1] = time.time()
+            self.ledger.steps[(who, v + 1)] = self.store.read_commit(self.store.version_key(v + 1, who))
+            self.ledger.versions.add((who, v + 1))
+            if all((g, v + 1) in self.ledger.versions for g in self.groups.modules):
+                self.ledger.finished_at[v + 1] = time.time()
             self.quorum_since.pop((who, v), None)
         elif kind == "val":
-            self.vals[(who, v)] = result
+            self.ledger.val_loss[(who, v)] = result
 
     def apply_quorum(self) -> None:
         """A group whose quorum of phases is in and whose grace has passed drops its late phases (for every module)."""
         q, now, busy = self.cfg.ray.quorum, time.time(), self.busy()
         if not q:
             return
-        for g, trainees in self.members.items():
-            v = next((v for v in range(self.start, self.R) if (g, v + 1) not in self.versions), None)
+        for g, trainees in self.groups.members.items():
+            v = next((v for v in range(self.start, self.rounds) if (g, v + 1) not in self.ledger.versions), None)
             if v is None or ("step", g, v) in busy:
                 continue
             late = [i for i in trainees if not self.settled(i, v)]
-            if not late or len(trainees) - len(late) - sum((i, v) in self.dropped for i in trainees) < min(q, len(trainees)):
+            if not late or len(trainees) - len(late) - sum((i, v) in self.ledger.dropped for i in trainees) < min(q, len(trainees)):
                 continue
             since = self.quorum_since.setdefault((g, v), now)
             if now - since < self.cfg.ray.grace:
                 continue
             for i in late:
                 self.store.drop(v, i, f"late for the outer step of {g} (quorum {q}, grace {self.cfg.ray.grace} s)")
-                self.dropped.add((i, v))
+                self.ledger.dropped.add((i, v))
                 self.counts["dropped"] += 1
                 for ref, task in list(self.inflight.items()):
                     if task == ("phase", i, v):
@@ -351,19 +339,19 @@ class TaskQueue:
     # ----------------------------------------------------------------------------------------------- rounds
     def complete_rounds(self) -> None:
         """Log (and checkpoint) every finished round, in order, then forget what no task can read any more."""
-        while self.next_round <= self.R:
+        while self.next_round <= self.rounds:
             v = self.next_round
-            if not (all(self.settled(i, v - 1) for i in range(self.T)) and all((g, v) in self.versions for g in self.groups)):
+            if not (all(self.settled(i, v - 1) for i in range(self.num_trainees)) and all((g, v) in self.ledger.versions for g in self.groups.modules)):
                 return
             val = self.val_losses(v)
             if val is None:
                 return
-            if v not in self.logged:
+            if v not in self.ledger.logged:
                 self.log_round(v, val)
-            if v % self.cfg.checkpoint_every == 0 or v == self.R:
-                states = [(*self.state_ref(i, v), v * self.H) for i in range(self.T)]
-                assemble(self.store, self.local, v, {m: self.module_ref(m, v) for m in self.group_of},
-                         [self.outer_ref(g, v) for g in self.groups], states,
+            if v % self.cfg.checkpoint_every == 0 or v == self.rounds:
+                states = [(*self.state_ref(i, v), v * self.inner_steps) for i in range(self.num_trainees)]
+                assemble(self.store, self.local, v, {m: self.module_ref(m, v) for m in self.groups.of_module},
+                         [self.outer_ref(g, v) for g in self.groups.modules], states,
                          {"trainee_paths": self.plan.paths, "engine": "ray"})
                 previous = max(self.checkpoints)
                 self.checkpoints.add(v)
@@ -375,31 +363,31 @@ class TaskQueue:
         """Every path's validation loss at version v, or None while one is still coming."""
         out = {}
         for p, i in self.validator.items():
-            if (p, v) not in self.vals:
+            if (p, v) not in self.ledger.val_loss:
                 try:
                     loss = self.store.val_loss(v, p)
                 except Damaged:
                     loss = None
-                if loss is None and (i, v) in self.done and self.phase_commits[(i, v)]["record"]["val_loss"] is None:
-                    self.vals[(p, v)] = None  # its validation file is too short for one window, as in the sync engine
+                if loss is None and (i, v) in self.ledger.done and self.ledger.phases[(i, v)]["record"]["val_loss"] is None:
+                    self.ledger.val_loss[(p, v)] = None  # its validation file is too short for one window, as in the sync engine
                 elif loss is None:
                     return None
                 else:
-                    self.vals[(p, v)] = loss
-            if self.vals[(p, v)] is not None:
-                out[p] = self.vals[(p, v)]
+                    self.ledger.val_loss[(p, v)] = loss
+            if self.ledger.val_loss[(p, v)] is not None:
+                out[p] = self.ledger.val_loss[(p, v)]
         return out
 
     def log_round(self, v: int, val: dict[str, float]) -> None:
         phases, by_trainee = [], []  # a dropped phase has no loss
-        for i in range(self.T):
+        for i in range(self.num_trainees):
             tries = self.store.attempts(v - 1, i)
-            if (i, v - 1) in self.dropped:
+            if (i, v - 1) in self.ledger.dropped:
                 phases.append({"trainee": i, "path": self.plan.paths[i], "dropped": True, "attempts": len(tries),
                                "nodes": sorted({a["node"] for a in tries})})
                 by_trainee.append(None)
                 continue
-            info = self.phase_commits[(i, v - 1)]["record"]
+            info = self.ledger.phases[(i, v - 1)]["record"]
             for rec in info["inner"]:
                 log(self.metrics, **rec)
             by_trainee.append(info["train_loss"])
@@ -408,10 +396,10 @@ class TaskQueue:
                                                 "save_s", "bytes_sent", "bytes_loaded")} | {"attempts": len(tries)}
                           | {k: info.get(k, 0) for k in ("storage_read", "storage_written", "state_cached")})
         losses = [x for x in by_trainee if x is not None]
-        steps = [self.step_commits[(g, v)]["record"] for g in self.groups]
-        tokens = len(losses) * self.H * self.cfg.inner.batch_size * self.cfg.model.max_seq_len
+        steps = [self.ledger.steps[(g, v)]["record"] for g in self.groups.modules]
+        tokens = len(losses) * self.inner_steps * self.cfg.inner.batch_size * self.cfg.model.max_seq_len
         # from the previous round's last outer step to this one's (phases of both rounds may overlap in between)
-        seconds = self.finished_at[v] - self.finished_at.get(v - 1, self.finished_at[self.start])
+        seconds = self.ledger.finished_at[v] - self.ledger.finished_at.get(v - 1, self.ledger.finished_at[self.start])
         log(self.metrics, **round_line(
             v, by_trainee, val, seconds, tokens, workers=int(ray.cluster_resources().get("CPU", 0)),
             bytes_sent=sum(p.get("bytes_sent", 0) for p in phases), bytes_received=sum(s["bytes_received"] for s in steps),
@@ -435,16 +423,3 @@ def describe(kind: str, who, v: int) -> str:
 def mean_of(rows: list[dict], key: str) -> float | None:
     values = [r[key] for r in rows if key in r]
     return sum(values) / len(values) if values else None
-
-
-def logged_rounds(run: Path) -> set[int]:
-    f = run / "metrics.jsonl"
-    rounds = set()
-    for line in f.read_text(encoding="utf-8").splitlines() if f.is_file() else ():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row.get("kind") == "round":
-            rounds.add(int(row["round"]))
-    return rounds

@@ -37,6 +37,8 @@ import io
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -253,3 +255,60 @@ class TaskStore:
             for name in self.storage.list(f"{self.root}/{kind}"):
                 if name.isdigit() and int(name) < v:
                     self.storage.delete(f"{self.root}/{kind}/{name}")
+
+
+@dataclass
+class ModuleGroups:
+    """Which modules take their outer step together (one task per group and version), and who feeds them."""
+
+    modules: dict[str, list[str]]  # group -> its modules
+    of_module: dict[str, str]  # module -> its group
+    members: dict[str, list[int]]  # group -> the trainees whose phases its outer step averages
+    of_trainee: list[list[str]]  # trainee -> the groups its path reads
+
+    @classmethod
+    def of(cls, plan, grid) -> ModuleGroups:
+        modules = groups(plan.weights)
+        of_module = {m: g for g, ms in modules.items() for m in ms}
+        return cls(modules, of_module, {g: sorted(plan.weights[ms[0]]) for g, ms in modules.items()},
+                   [sorted({of_module[m] for m in grid.path_modules(p)}) for p in plan.paths])
+
+
+@dataclass
+class Ledger:
+    """What the driver knows storage holds (versions >= the start, verified: a resumed driver picks up every
+    committed task) and what it has seen come back since."""
+
+    phases: dict[tuple[int, int], dict]  # (trainee, v) -> the commit record of its phase from version v
+    steps: dict[tuple[str, int], dict]  # (group, v) -> the commit record of its outer step to version v
+    dropped: set[tuple[int, int]]  # (trainee, v): phases a quorum went on without
+    validated: set[tuple[str, int]]  # (path, v): validations a phase committed
+    done: set[tuple[int, int]]  # committed phases, not dropped
+    versions: set[tuple[str, int]]  # (group, v): committed outer steps
+    logged: set[int]  # rounds metrics.jsonl already has
+    finished_at: dict[int, float]  # version -> when its last outer step came back (a round's clock; found ones: now)
+    val_loss: dict[tuple[str, int], float | None] = field(default_factory=dict)  # None: too short for one window
+
+    @classmethod
+    def scan(cls, store: TaskStore, start: int, rounds: int, trainees: int, module_groups: ModuleGroups,
+             local: Path, say) -> Ledger:
+        phases, steps, dropped, validated = store.scan(start, say)
+        dropped = {(i, v) for i, v in dropped if v < rounds and i < trainees}
+        done = {(i, v) for i, v in phases if v < rounds and i < trainees and (i, v) not in dropped}
+        versions = {(g, v) for g, v in steps if g in module_groups.modules and start < v <= rounds}
+        finished_at = {v: time.time() for v in range(start, rounds + 1)
+                       if v == start or all((g, v) in versions for g in module_groups.modules)}
+        return cls(phases, steps, dropped, validated, done, versions, logged_rounds(local), finished_at)
+
+
+def logged_rounds(run: Path) -> set[int]:
+    f = run / "metrics.jsonl"
+    rounds = set()
+    for line in f.read_text(encoding="utf-8").splitlines() if f.is_file() else ():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("kind") == "round":
+            rounds.add(int(row["round"]))
+    return rounds
