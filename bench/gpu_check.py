@@ -45,7 +45,8 @@ def flops_per_token(n_params: int, layers: int, hidden: int, seq: int) -> float:
 
 def make_shards(out: Path) -> Path:
     """A small real corpus (text that ships with Python) on a 2x2 grid."""
-    from dipaco.config import ShardConfig, resolve
+    from dipaco.config import resolve
+    from dipaco.shard_config import ShardConfig
     from dipaco.sharding.sources import write_default_corpus
     from dipaco.sharding.writer import shard
 

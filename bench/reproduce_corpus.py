@@ -163,7 +163,8 @@ class Corpus:
     def make_shards(self, keys: set[str] | None = None) -> None:
         """The shardings (``keys``; all by default), one tokenizer and one seed (the same held-out, router and
         validation documents)."""
-        from dipaco.config import ShardConfig, resolve
+        from dipaco.config import resolve
+        from dipaco.shard_config import ShardConfig
         from dipaco.sharding.writer import shard
 
         inputs = self.inputs()

@@ -71,7 +71,8 @@ def corpus_inputs(name: str, work: Path, data: Path) -> list[str]:
 
 
 def make_shards(inputs: list[str], work: Path, seed: int) -> dict[str, Path]:
-    from dipaco.config import ShardConfig, resolve
+    from dipaco.config import resolve
+    from dipaco.shard_config import ShardConfig
     from dipaco.sharding.writer import shard
 
     dirs = {v: work / f"shards-{v}" for v in VARIANTS}

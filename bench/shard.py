@@ -39,7 +39,8 @@ TARGET_GB = 300
 
 
 def child_shard(spec: dict) -> dict:
-    from dipaco.config import ShardConfig, resolve
+    from dipaco.config import resolve
+    from dipaco.shard_config import ShardConfig
     from dipaco.sharding.writer import nmi, purity, shard
 
     cfg = resolve(ShardConfig, overrides=[f'grid="{spec["grid"]}"', f"num_proc={spec['workers']}",

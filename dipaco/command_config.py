@@ -1,6 +1,6 @@
 """Config sections of the commands that use a trained run: eval, generate, reshard, fit-window-router.
 
-Declared like the shard and train sections in config.py (type, default, docstring; cli/flags.py makes the flags)
+Declared like the train sections in config.py (type, default, docstring; cli/flags.py makes the flags)
 and resolved by config.resolve; they live apart so that config.py stays the bottom of the core.
 """
 

@@ -19,7 +19,8 @@ import dataclasses
 
 import numpy as np
 
-from dipaco.config import RoutingConfig, apply_dict
+from dipaco.config import apply_dict
+from dipaco.shard_config import RoutingConfig
 from dipaco.model.grid import parse_grid
 from dipaco.routing.discriminative import fit_discriminative
 from dipaco.routing.features import TfidfFeatures, make_features

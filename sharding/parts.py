@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dipaco.config import ShardConfig
+from dipaco.shard_config import ShardConfig
 from dipaco.routing import Router
 from dipaco.routing.base import top_paths
 from dipaco.sharding.decisions import HELDOUT, ROUTER, TRAIN, Roles, digest, keys

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Iterator
 
 import dipaco
-from dipaco.config import ShardConfig, to_dict
+from dipaco.config import to_dict
+from dipaco.shard_config import ShardConfig
 from dipaco.errors import DipacoError
 from dipaco.sharding.readers import READERS, RemoteFile, open_binary
 from dipaco.sharding.sources import _rows_hub, _rows_saved, expand_inputs, load_saved

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dipaco.config import ShardConfig
+from dipaco.shard_config import ShardConfig
 from dipaco.sharding.decisions import HELDOUT, ROUTER, TRAIN, BottomK, Roles, digest, keys
 from dipaco.sharding.plan import Block, block_rows
 from dipaco.sharding.sources import DocumentFilter

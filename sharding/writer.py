@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 import dipaco
-from dipaco.config import ShardConfig, to_dict, to_toml
+from dipaco.config import to_dict, to_toml
+from dipaco.shard_config import ShardConfig
 from dipaco.errors import DipacoError
 from dipaco.io import sha256_dir
 from dipaco.model.grid import parse_grid

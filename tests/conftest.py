@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from dipaco.config import ShardConfig, TrainConfig, resolve
+from dipaco.config import TrainConfig, resolve
+from dipaco.shard_config import ShardConfig
 
 SHARED_CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus"
 TINY_TRAIN = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_heads=2", "model.num_kv_heads=2",

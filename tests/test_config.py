@@ -11,7 +11,8 @@ from dipaco import command_config as CC
 from dipaco import config as C
 from dipaco.cli.commands import build_parser, main
 from dipaco.cli.flags import field_docs, flag_fields, flag_name, flags_of, optional_of
-from dipaco.config import PRESETS, ShardConfig, TrainConfig, from_dict, parse_override, read_toml, resolve, to_dict, to_toml
+from dipaco.shard_config import ShardConfig
+from dipaco.config import PRESETS, TrainConfig, from_dict, parse_override, read_toml, resolve, to_dict, to_toml
 from dipaco.errors import DipacoError
 
 
@@ -70,7 +71,7 @@ def test_private_head_needs_an_untied_head():
 
 
 # ------------------------------------------------------------------ flags generated from the dataclasses
-COMMANDS = {"shard": C.ShardConfig, "train": C.TrainConfig, "eval": CC.EvalCommandConfig,
+COMMANDS = {"shard": ShardConfig, "train": C.TrainConfig, "eval": CC.EvalCommandConfig,
             "generate": CC.GenerateConfig, "reshard": CC.ReshardConfig, "fit-window-router": CC.WindowRouterConfig}
 
 

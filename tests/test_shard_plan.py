@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from dipaco.config import ShardConfig, resolve
+from dipaco.config import resolve
+from dipaco.shard_config import ShardConfig
 from dipaco.errors import DipacoError
 from dipaco.sharding.plan import block_rows, make_plan
 from dipaco.sharding.sources import iter_rows

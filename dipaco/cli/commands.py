@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from dipaco import command_config as CC
-from dipaco import config as C
+from dipaco import config as C, shard_config as S
 from dipaco.cli.flags import Parser, add_flags, config_args, flags_of, set_arg
 from dipaco.errors import DipacoError
 from dipaco.storage.objects import Storage, is_url
@@ -26,7 +26,7 @@ def _resolve(args, cls):
 def cmd_shard(args) -> None:
     from dipaco.sharding.writer import purity, shard
 
-    cfg = _resolve(args, C.ShardConfig)
+    cfg = _resolve(args, S.ShardConfig)
     check_out_dir(args.out, "shards", inputs={"--data": args.data, "--tokenizer": args.tokenizer, "--config": args.config,
                                               "--feature-model": cfg.routing.feature_model}, overwrite=args.overwrite)
     manifest = shard(args.data, cfg, args.out, args.tokenizer, args.overwrite, progress=not args.quiet,
@@ -346,7 +346,7 @@ def _add_pipeline_commands(sub) -> None:
                    help="with --engine ray: the cluster to join ('auto' or the head's host:port); default: a local Ray")
     p.add_argument("--resume", action="store_true",
                    help="continue a killed run of the same command: reuse its committed blocks (beside --out, in .<out>.work)")
-    config_args(p, C.ShardConfig, cmd_shard, example="routing.svd_dims=32")
+    config_args(p, S.ShardConfig, cmd_shard, example="routing.svd_dims=32")
 
     p = sub.add_parser("train", help="train path workers with DiLoCo-style module averaging")
     p.add_argument("--shards", required=True, help="shard directory from `dipaco shard`")

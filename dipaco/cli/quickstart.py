@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import dipaco
-from dipaco.config import ShardConfig, TrainConfig, resolve
+from dipaco.config import TrainConfig, resolve
+from dipaco.shard_config import ShardConfig
 from dipaco.eval.perplexity import evaluate
 from dipaco.eval.report import markdown_table, write_report
 from dipaco.io import write_json
