@@ -101,3 +101,27 @@ def ray_cluster():
     c.wait_for_nodes()
     yield c
     c.shutdown()
+
+
+def one_error_line(capsys, command: str) -> str:
+    """stderr of a refused command: exactly one line, ``dipaco COMMAND: error: ...``."""
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"dipaco {command}: error: "), err
+    return err
+
+
+def sets_of_tiny_train() -> list[str]:
+    """TINY_TRAIN (without validation) as --set flags."""
+    return [a for kv in [*TINY_TRAIN, "val_batches=0"] for a in ("--set", kv)]
+
+
+@pytest.fixture(scope="module")
+def small_runs(shards_2x2, tmp_path_factory):
+    """A 2x2 run and a dense run of one round, without validation (tests that only read them)."""
+    from dipaco.training.train import train
+
+    root = tmp_path_factory.mktemp("runs")
+    train(tiny_train_config("val_batches=0", rounds=1, inner_steps=2), shards_2x2, root / "dipaco", progress=False)
+    train(tiny_train_config("val_batches=0", 'grid.shape="1"', rounds=1, inner_steps=2), shards_2x2, root / "dense",
+          progress=False)
+    return root
