@@ -8,8 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from dipaco import command_config as CC
-from dipaco import config as C, shard_config as S
+from dipaco import command_config as CC, config as C, shard_config as S
 from dipaco.cli.flags import Parser, add_flags, config_args, flags_of, set_arg
 from dipaco.errors import DipacoError
 from dipaco.storage.objects import Storage, is_url

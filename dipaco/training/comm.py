@@ -1,9 +1,9 @@
 """Communication between workers. The only file that imports torch.distributed.
 
-``World`` (below) is the interface ``dipaco.training.sync``, ``dipaco.storage.checkpoint`` and ``dipaco.training.train`` use; two
-worlds implement it: ``LocalWorld`` (no launcher: every trainee in this process) and ``DistWorld``
-(torchrun). ``World.start_reduce`` is where a module's outer gradients meet: it returns a handle to every
-module's ``module_average`` (``dipaco.training.outer``) as the transport carries it.
+``World`` (below) is the interface ``training.sync``, ``storage.checkpoint`` and ``training.train`` use; two worlds
+implement it: ``LocalWorld`` (no launcher: every trainee in this process) and ``DistWorld`` (torchrun).
+``World.start_reduce`` is where a module's outer gradients meet: it returns a handle to every module's
+``module_average`` (``training.outer``) as the transport carries it.
 
 Transport (``comm.bits``), one definition on every layout, so a config computes the same thing on any number
 of workers (the world of one included):
@@ -18,10 +18,10 @@ of workers (the world of one included):
   bits = 32   exact: no Q, so a worker may send the fp32 partial sum of its own trainees and the holders add
               the partial sums (equal to the world of one up to fp32 reassociation).
 
-``LocalWorld``: nothing crosses a wire. ``DistWorld``: one process group per distinct set of holders, created once in the same
-order on every rank, so a module's outer gradient goes only to the workers that hold it. Reductions
-run on one background thread, in the order they were started (the same on every rank), so a
-reduction overlaps with the inner steps that follow it until ``wait``.
+``LocalWorld``: nothing crosses a wire. ``DistWorld``: one process group per distinct set of holders, created once in
+the same order on every rank, so a module's outer gradient goes only to the workers that hold it. Reductions run on
+one background thread, in the order they were started (the same on every rank), so a reduction overlaps with the
+inner steps that follow it until ``wait``.
 
 Collective patterns for a group of n holders, holder j with k_j of the module's trainees (T = Σk), a payload
 of P bytes per trainee (or fp32 partial sum) and p_j bytes for chunk j of it (p_j ≈ P/n):
@@ -75,8 +75,7 @@ def round_trip(flat: torch.Tensor, bits: int, block: int) -> torch.Tensor:
 
 
 def reduce_here(flats: dict[int, torch.Tensor], weights: dict[int, float], bits: int, block: int) -> torch.Tensor:
-    """Δ_m where every term is at hand (the world of one, a module with one holder):
-    ``Q_down(Σ_i w_i·deq(Q_up(Δ_i)))`` below 32 bits, the exact weighted sum at 32."""
+    """Δ_m with every term at hand (one world, one holder): Q_down(Σ_i w_i·deq(Q_up(Δ_i))); exact at 32 bits."""
     return reduce_arrived({i: round_trip(f, bits, block) for i, f in flats.items()}, weights, bits, block)
 
 
