@@ -40,7 +40,37 @@ class PrefixInput:
         return self.tokenizer.decode_batch([[int(t) for t in x[: self.tokens]] for x in ids], skip_special_tokens=False)
 
     def texts(self, texts: list[str]) -> list[str]:
-        return self.texts_of_ids(self.encode(texts))
+        return self.texts_of_ids(self.first_ids(texts))
+
+    # Characters of a text tokenized before falling back to the whole text (a test sets it small to hit the cut).
+    cut_chars = 2048
+
+    def first_ids(self, texts: list[str]) -> list[list[int]]:
+        """``encode(text)[:tokens]`` of every text, without tokenizing whole documents (the router fit reads
+        thousands; tokenizing them whole was most of its time). A byte-level BPE tokenizer without a normalizer
+        splits text into pieces by a regex that looks at most one character past a piece, then encodes each piece
+        alone; so ``text[:cut_chars]`` gives the whole text's tokens for every piece but its last, which the cut may
+        have shortened. A special token near the cut would move a segment boundary: such texts, texts whose first
+        pieces hold fewer than ``tokens`` tokens, and other tokenizers are tokenized whole."""
+        texts = list(texts)
+        out: list[list[int] | None] = [None] * len(texts)
+        pre = self.tokenizer.pre_tokenizer
+        if (self.tokenizer.normalizer is None and type(pre).__name__ == "ByteLevel" and pre.use_regex
+                and any(len(t) > self.cut_chars for t in texts)):
+            specials = [t.content for t in self.tokenizer.get_added_tokens_decoder().values()]
+            reach = self.cut_chars + max((len(s) for s in specials), default=0)
+            cut = self.tokenizer.encode_batch([t[: self.cut_chars] for t in texts], add_special_tokens=False)
+            for i, (text, e) in enumerate(zip(texts, cut)):
+                if len(text) <= self.cut_chars:
+                    out[i] = e.ids[: self.tokens]
+                elif not any(s in text[:reach] for s in specials):
+                    last = e.word_ids[-1] if e.ids else None
+                    whole = [t for t, w in zip(e.ids, e.word_ids) if w != last]
+                    out[i] = whole[: self.tokens] if len(whole) >= self.tokens else None
+        rest = [i for i, x in enumerate(out) if x is None]
+        for i, ids in zip(rest, self.encode([texts[i] for i in rest])):
+            out[i] = ids[: self.tokens]
+        return out
 
     def describe(self) -> dict:
         return {"prefix_tokens": self.tokens, "rule": "decode(encode(text)[:prefix_tokens])"}
