@@ -22,6 +22,9 @@ class PrefixInput:
         if tokens < 1:
             raise DipacoError(f"routing.prefix_tokens must be >= 1, got {tokens}")
         self.tokenizer, self.tokens = tokenizer, int(tokens)
+        # characters of a text tokenized before falling back to the whole text: 8 per routing token leaves 32
+        # tokens short for 4 of 20,000 shared-corpus documents (a test sets it small to put the cut everywhere)
+        self.cut_chars = 8 * self.tokens
 
     @classmethod
     def of(cls, tokenizer, tokens: int) -> "PrefixInput":
@@ -41,9 +44,6 @@ class PrefixInput:
 
     def texts(self, texts: list[str]) -> list[str]:
         return self.texts_of_ids(self.first_ids(texts))
-
-    # Characters of a text tokenized before falling back to the whole text (a test sets it small to hit the cut).
-    cut_chars = 2048
 
     def first_ids(self, texts: list[str]) -> list[list[int]]:
         """``encode(text)[:tokens]`` of every text, without tokenizing whole documents (the router fit reads
