@@ -53,6 +53,18 @@ class TfidfFeatures:
         return [t[: self.prefix_chars] for t in texts]
 
     def fit(self, texts: list[str]) -> "TfidfFeatures":
+        self._fit(texts)
+        return self
+
+    def fit_transform(self, texts: list[str]) -> np.ndarray:
+        """``fit(texts)`` then ``transform(texts)``, the same bits, from one pass of the vectorizer: its fit
+        matrix, indices sorted per row as ``transform``'s are, is the matrix ``transform`` would build, and
+        the projection then sums every row in the same order."""
+        x = self._fit(texts)
+        x.sort_indices()
+        return _l2_normalise(np.asarray(x @ self.components.T))
+
+    def _fit(self, texts: list[str]):
         self.vectorizer = self._new_vectorizer()
         try:
             x = self.vectorizer.fit_transform(self._prefixes(texts))
@@ -65,7 +77,7 @@ class TfidfFeatures:
         svd.fit(x)
         self.components = svd.components_.astype(np.float32)
         self.dims = dims
-        return self
+        return x
 
     def transform(self, texts: list[str]) -> np.ndarray:
         x = self.vectorizer.transform(self._prefixes(texts))
@@ -166,6 +178,9 @@ class HFFeatures:
         """Nothing to fit: the model is frozen; this loads it and fixes the dimension."""
         self._load()
         return self
+
+    def fit_transform(self, texts: list[str]) -> np.ndarray:
+        return self.fit(texts).transform(texts)
 
     def transform(self, texts: list[str]) -> np.ndarray:
         import torch

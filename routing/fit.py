@@ -36,10 +36,31 @@ def routing_config(cfg: RoutingConfig | None = None, **overrides) -> RoutingConf
     return out
 
 
+def document_target(texts: list[str], grid: str, seed: int = 0, cfg: RoutingConfig | None = None,
+                    **overrides) -> np.ndarray | None:
+    """The paths of a ``cluster_on="document"`` router: (product) k-means labels of the fit sample on
+    tf-idf of each whole document's first ``prefix_chars`` characters; None for the other kinds. It needs
+    no tokenizer, so the shard stage computes it while the tokenizer trains."""
+    r = routing_config(cfg, **overrides)
+    if r.assign == "random" or r.cluster_on == "prefix":
+        return None
+    texts = _check_texts(texts)
+    doc = TfidfFeatures(r.prefix_chars, r.max_tfidf_features, r.svd_dims, seed)
+    xd = doc.fit_transform(texts)
+    target = Router.fit_features(doc, xd, parse_grid(grid), None, **_kmeans_args(r, seed))
+    return target.path_distances(xd).argmin(axis=1)
+
+
+def _kmeans_args(r: RoutingConfig, seed: int) -> dict:
+    return dict(kmeans_iters=r.kmeans_iters, product_split=r.product_split, seed=seed, spherical=r.spherical,
+                balance=r.balance, kmeans_restarts=r.kmeans_restarts)
+
+
 def fit_router(texts: list[str], grid: str, tokenizer, seed: int = 0, progress: bool = False,
-               cfg: RoutingConfig | None = None, **overrides) -> BaseRouter:
+               cfg: RoutingConfig | None = None, target: np.ndarray | None = None, **overrides) -> BaseRouter:
     """Fit a router on ``texts`` (a sample of whole documents): ``cfg`` fields, or keyword overrides of
-    them (``fit_router(texts, "2x2", tok, svd_dims=16)``)."""
+    them (``fit_router(texts, "2x2", tok, svd_dims=16)``). ``target``: ``document_target`` of the same
+    texts and settings, when already computed."""
     r = routing_config(cfg, **overrides)
     shape = parse_grid(grid)
     texts = _check_texts(texts)
@@ -50,18 +71,14 @@ def fit_router(texts: list[str], grid: str, tokenizer, seed: int = 0, progress: 
     feats = make_features(r.features, r.prefix_chars, r.max_tfidf_features, r.svd_dims, seed, r.feature_model or None,
                           r.prefix_tokens, r.feature_batch_size, r.copy_feature_model)
     feats.progress = progress
-    feats.fit(prefixes)
-    x = feats.transform(prefixes)
-    kmeans = dict(kmeans_iters=r.kmeans_iters, product_split=r.product_split, seed=seed, spherical=r.spherical,
-                  balance=r.balance, kmeans_restarts=r.kmeans_restarts)
+    x = feats.fit_transform(prefixes)
     if r.cluster_on == "prefix":
-        return Router.fit_features(feats, x, shape, prefix, **kmeans)
+        return Router.fit_features(feats, x, shape, prefix, **_kmeans_args(r, seed))
     # Paths defined on whole-document features, learned from the prefix.
-    doc = TfidfFeatures(r.prefix_chars, r.max_tfidf_features, r.svd_dims, seed).fit(texts)
-    xd = doc.transform(texts)
-    target = Router.fit_features(doc, xd, shape, prefix, **kmeans)
-    labels = target.path_distances(xd).argmin(axis=1)
-    shares = np.bincount(labels, minlength=len(target.paths)).astype(np.float64) + 1.0
+    labels = document_target(texts, grid, seed, r) if target is None else target
+    if len(labels) != len(texts):
+        raise ValueError(f"fit_router: a target of {len(labels)} labels for {len(texts)} texts")
+    shares = np.bincount(labels, minlength=int(np.prod(shape))).astype(np.float64) + 1.0
     router = fit_discriminative(feats, x, labels, shape, shares, prefix, seed)
     if r.balance > 0:  # the classifier's argmax must respect the cap too: the shard stage routes by it
         router.intercept -= calibrate_bias(router.path_distances(x), r.balance)

@@ -27,6 +27,7 @@ import hashlib
 import json
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,7 @@ from dipaco.errors import DipacoError
 from dipaco.io import sha256_dir
 from dipaco.model.grid import parse_grid
 from dipaco.routing import Router
-from dipaco.routing.fit import fit_router
+from dipaco.routing.fit import document_target, fit_router
 from dipaco.sharding.engines import make_engine
 from dipaco.sharding.parts import Fits, part_block
 from dipaco.sharding.plan import make_plan, settings_key
@@ -117,12 +118,16 @@ def fit_step(work: Path, scanned: dict, cfg: ShardConfig, tokenizer_dir: str | N
     if meta is None:
         began = time.perf_counter()
         tmp = temp_dir(final)
-        tok = load_tokenizer(tokenizer_dir) if tokenizer_dir else train_tokenizer(
-            tokenizer_texts(scanned["sample"], cfg.tokenizer.train_chars), cfg.tokenizer.vocab_size)
-        tok.save_pretrained(str(tmp / "tokenizer"))
-        t_tok = time.perf_counter() - began
-        with decision_threads():
-            router = fit_router(scanned["sample"], cfg.grid, tok, cfg.seed, progress, cfg=cfg.routing)
+        # The router's document target needs no tokenizer: it is computed on one thread while the
+        # tokenizer trains on the others (pinned threads either way, so the same bits).
+        with decision_threads(), ThreadPoolExecutor(1) as beside:
+            target = beside.submit(document_target, scanned["sample"], cfg.grid, cfg.seed, cfg.routing)
+            tok = load_tokenizer(tokenizer_dir) if tokenizer_dir else train_tokenizer(
+                tokenizer_texts(scanned["sample"], cfg.tokenizer.train_chars), cfg.tokenizer.vocab_size)
+            tok.save_pretrained(str(tmp / "tokenizer"))
+            t_tok = time.perf_counter() - began
+            router = fit_router(scanned["sample"], cfg.grid, tok, cfg.seed, progress, cfg=cfg.routing,
+                                target=target.result())
         router.save(tmp / "router")
         vocab_size = len(tok)
         meta = {"fingerprint": fingerprint, "vocab_size": vocab_size, "eos": tok.eos_token_id, "paths": router.paths,

@@ -26,6 +26,18 @@ def test_fit_save_load_route_round_trip(texts, tmp_path, tok):
     assert np.allclose(loaded.features.transform(texts[:20]), router.features.transform(texts[:20]), atol=1e-6)
 
 
+def test_tfidf_fit_transform_is_fit_then_transform_to_the_bit(texts):
+    # the router fit projects its sample from the fit's own matrix instead of tokenizing it again; a flipped
+    # last bit would move a document near a boundary to another path, so the bits must be transform's
+    from dipaco.routing.features import TfidfFeatures
+
+    sample = texts[:300] + ["Numbers 1999 and 2024 fold to 0000; CASE folds too.", "the the the and of"]
+    once = TfidfFeatures(prefix_chars=512, max_features=400, dims=16, seed=3).fit_transform(sample)
+    twice = TfidfFeatures(prefix_chars=512, max_features=400, dims=16, seed=3).fit(sample)
+    assert once.dtype == np.float32 and once.shape == (len(sample), 16)
+    assert np.array_equal(once.view(np.uint32), twice.transform(sample).view(np.uint32))
+
+
 @pytest.mark.slow
 def test_deterministic_under_a_seed(texts, tok):
     a = fit_router(texts, "2x2", tok, cluster_on="prefix", svd_dims=16, seed=3).route(texts)
