@@ -107,6 +107,11 @@ def tokenizer_texts(sample: list[str], limit_chars: int) -> list[str]:
     return out
 
 
+def _pinned(fn, *args):
+    with decision_threads():
+        return fn(*args)
+
+
 def fit_step(work: Path, scanned: dict, cfg: ShardConfig, tokenizer_dir: str | None, fingerprint: str,
              progress: bool) -> tuple[Fits, dict]:
     """The tokenizer and the router, fitted once on the sample and committed to ``work/fits`` (reused on resume)."""
@@ -119,9 +124,10 @@ def fit_step(work: Path, scanned: dict, cfg: ShardConfig, tokenizer_dir: str | N
         began = time.perf_counter()
         tmp = temp_dir(final)
         # The router's document target needs no tokenizer: it is computed on one thread while the
-        # tokenizer trains on the others (pinned threads either way, so the same bits).
+        # tokenizer trains on the others. That thread pins its own threads too (OpenMP's count is per
+        # calling thread), so the bits are those of the sequential fit.
         with decision_threads(), ThreadPoolExecutor(1) as beside:
-            target = beside.submit(document_target, scanned["sample"], cfg.grid, cfg.seed, cfg.routing)
+            target = beside.submit(_pinned, document_target, scanned["sample"], cfg.grid, cfg.seed, cfg.routing)
             tok = load_tokenizer(tokenizer_dir) if tokenizer_dir else train_tokenizer(
                 tokenizer_texts(scanned["sample"], cfg.tokenizer.train_chars), cfg.tokenizer.vocab_size)
             tok.save_pretrained(str(tmp / "tokenizer"))

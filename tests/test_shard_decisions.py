@@ -110,3 +110,23 @@ def test_calibrated_offsets_meet_the_cap_on_the_sample():
         counts = np.bincount((d + bias[None, :]).argmin(axis=1), minlength=k)  # in float32, as routing adds it
         assert counts.max() <= int(np.floor(1.1 * n / k)), (n, k, counts.max())
         assert np.bincount(d.argmin(axis=1), minlength=k).max() > 1.1 * n / k  # the cap did bind
+
+
+def test_the_fit_thread_beside_the_tokenizer_pins_its_own_threads():
+    # OpenMP's thread count is per calling thread: a thread started inside decision_threads() would run faiss
+    # on OMP_NUM_THREADS threads, and a k-means sum split differently can move a document to another path.
+    # The suite pins OMP_NUM_THREADS=1, so the check runs in a process where it is 2.
+    import os
+    import subprocess
+    import sys
+
+    probe = ("from concurrent.futures import ThreadPoolExecutor\n"
+             "import faiss\n"
+             "from dipaco.sharding.threads import decision_threads\n"
+             "from dipaco.sharding.writer import _pinned\n"
+             "with decision_threads(), ThreadPoolExecutor(1) as beside:\n"
+             "    print(beside.submit(faiss.omp_get_max_threads).result(),"
+             " beside.submit(_pinned, faiss.omp_get_max_threads).result())\n")
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "OMP_NUM_THREADS": "2"},
+                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert out == ["2", "1"]  # a bare thread: every thread OpenMP may take; a pinned one: DECISION_THREADS
