@@ -43,3 +43,10 @@ def decision_threads():
     finally:
         faiss.omp_set_num_threads(before_faiss)
         torch.set_num_threads(before_torch)
+
+
+def in_decision_threads(fn, *args):
+    """``fn(*args)`` inside ``decision_threads()``: for a thread started from within that block, since
+    OpenMP's thread count (faiss) belongs to the calling thread and a new thread does not inherit it."""
+    with decision_threads():
+        return fn(*args)

@@ -45,7 +45,7 @@ from dipaco.sharding.parts import Fits, part_block
 from dipaco.sharding.plan import make_plan, settings_key
 from dipaco.sharding.scan import commit, join, peak_rss_mb, read_meta, scan_block, temp_dir
 from dipaco.sharding.sources import describe_inputs
-from dipaco.sharding.threads import decision_threads, set_num_proc
+from dipaco.sharding.threads import decision_threads, in_decision_threads, set_num_proc
 from dipaco.sharding.tokenizer import load_tokenizer, tokenizer_sha256, train_tokenizer
 from dipaco.storage.outputs import atomic_dir, check_out_dir
 from dipaco.storage.shards import ShardWriter, read_docs
@@ -107,11 +107,6 @@ def tokenizer_texts(sample: list[str], limit_chars: int) -> list[str]:
     return out
 
 
-def _pinned(fn, *args):
-    with decision_threads():
-        return fn(*args)
-
-
 def fit_step(work: Path, scanned: dict, cfg: ShardConfig, tokenizer_dir: str | None, fingerprint: str,
              progress: bool) -> tuple[Fits, dict]:
     """The tokenizer and the router, fitted once on the sample and committed to ``work/fits`` (reused on resume)."""
@@ -127,7 +122,8 @@ def fit_step(work: Path, scanned: dict, cfg: ShardConfig, tokenizer_dir: str | N
         # tokenizer trains on the others. That thread pins its own threads too (OpenMP's count is per
         # calling thread), so the bits are those of the sequential fit.
         with decision_threads(), ThreadPoolExecutor(1) as beside:
-            target = beside.submit(_pinned, document_target, scanned["sample"], cfg.grid, cfg.seed, cfg.routing)
+            target = beside.submit(in_decision_threads, document_target, scanned["sample"], cfg.grid, cfg.seed,
+                                   cfg.routing)
             tok = load_tokenizer(tokenizer_dir) if tokenizer_dir else train_tokenizer(
                 tokenizer_texts(scanned["sample"], cfg.tokenizer.train_chars), cfg.tokenizer.vocab_size)
             tok.save_pretrained(str(tmp / "tokenizer"))

@@ -122,11 +122,10 @@ def test_the_fit_thread_beside_the_tokenizer_pins_its_own_threads():
 
     probe = ("from concurrent.futures import ThreadPoolExecutor\n"
              "import faiss\n"
-             "from dipaco.sharding.threads import decision_threads\n"
-             "from dipaco.sharding.writer import _pinned\n"
+             "from dipaco.sharding.threads import decision_threads, in_decision_threads\n"
              "with decision_threads(), ThreadPoolExecutor(1) as beside:\n"
              "    print(beside.submit(faiss.omp_get_max_threads).result(),"
-             " beside.submit(_pinned, faiss.omp_get_max_threads).result())\n")
+             " beside.submit(in_decision_threads, faiss.omp_get_max_threads).result())\n")
     out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "OMP_NUM_THREADS": "2"},
                          capture_output=True, text=True, timeout=120, check=True).stdout.split()
     assert out == ["2", "1"]  # a bare thread: every thread OpenMP may take; a pinned one: DECISION_THREADS
