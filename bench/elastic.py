@@ -15,7 +15,10 @@ storage, H inner steps (``phase compute``, times a log-normal jitter per phase),
 phase is ready when its modules have that round's version and its previous phase is done; a module's outer step
 (executor time: its inputs and output over storage) starts when every phase of its paths is in; no other barrier.
 A preempted worker's phase is lost (its time wasted) and goes back to the queue. Executors and storage never fail;
-an executor has its own link to storage, as fast as a worker's.
+an executor has its own link to storage, as fast as a worker's. Sticky rows: a ready phase goes to the idle worker
+that holds its trainee's state (read from that worker's cache, not storage); with ``checkpoint every K`` the state
+goes to storage only every K rounds, and a phase that misses the cache reads the last durable state and replays the
+phases since (their modules read again, their compute counted as wasted).
 
 Synchronous job (the torchrun engine with --max-restarts): every worker holds ceil(P/W) trainees in memory and
 runs them in lockstep; a round ends with the slowest worker, then a ring all-reduce of the outer gradients over
@@ -71,6 +74,8 @@ class Model:
     horizon_h: float = 2000.0        # a run still unfinished then is stopped and reported as such
     sticky: bool = False             # a phase prefers the worker that trained its trainee last (a soft affinity)
     #                                  and reads the state from that worker's cache; storage keeps the durable copy
+    state_every: int = 1             # sticky: rounds between a trainee's durable states (the run's checkpoint_every);
+    #                                  in between only the worker's cache holds it, and a phase elsewhere replays
 
     @property
     def paths(self) -> int:
@@ -105,9 +110,7 @@ def simulate_queue(m: Model, workers: int, rate_per_hour: float, seed: int, log:
     """The task queue; ``log`` (if given) receives (time, event, ...) tuples for invariant checks."""
     rng = random.Random(seed)
     users = module_paths(m)
-    load = m.transfer_s(m.module_bytes + m.state_bytes)
-    load_cached = m.transfer_s(m.module_bytes)  # sticky: the state is on the worker already
-    save = m.transfer_s(m.payload_bytes + m.state_bytes)  # the durable copy is written either way
+    durable = lambda v: not m.sticky or v % m.state_every == 0 or v >= m.rounds  # noqa: E731 (the state at v in storage)
     # an executor reads its module's share of every path's payload, reads the module and writes its new version
     step_s = {mod: m.transfer_s(module_fraction(m, mod) * (len(ps) * m.payload_bytes + 2 * m.module_bytes))
               for mod, ps in users.items()}
@@ -128,6 +131,7 @@ def simulate_queue(m: Model, workers: int, rate_per_hour: float, seed: int, log:
     epoch = [0] * workers           # a preempted worker's pending events are stale
     running: dict[int, tuple] = {}  # worker -> (path, round, start, compute)
     cached: dict[int, tuple[int, int]] = {}  # path -> (worker, its epoch) holding the trainee's state
+    durable_at: dict[int, int] = {p: 0 for p in range(m.paths)}  # path -> the round of its last durable state
     storage_bytes = 0.0
     for w in range(workers):
         push(m.startup_s, "join", w, 0)
@@ -164,6 +168,8 @@ def simulate_queue(m: Model, workers: int, rate_per_hour: float, seed: int, log:
             useful += compute
             idle.append(w)
             done_at[p] = r + 1
+            if durable(r + 1):
+                durable_at[p] = r + 1
             if log is not None:
                 log.append((now, "phase_done", p, r))
             for mod in phase_modules(m, p):
@@ -190,12 +196,17 @@ def simulate_queue(m: Model, workers: int, rate_per_hour: float, seed: int, log:
             w = cached[p][0] if hit else idle[0]
             idle.remove(w)
             compute = m.phase_compute_s * rng.lognormvariate(0.0, m.jitter)
+            replay = 0 if hit else r - durable_at[p]  # a miss between durable states: those phases again
             running[w] = (p, r, now, compute)
             cached[p] = (w, epoch[w])
-            storage_bytes += m.module_bytes + m.payload_bytes + m.state_bytes + (0 if hit else m.state_bytes)
+            loaded = m.module_bytes if hit else (1 + replay) * m.module_bytes + m.state_bytes
+            saved = m.payload_bytes + (m.state_bytes if durable(r + 1) else 0)
+            storage_bytes += loaded + saved
+            wasted += replay * m.phase_compute_s
             if log is not None:
                 log.append((now, "phase_start", p, r, tuple(version[x] for x in phase_modules(m, p))))
-            push(now + (load_cached if hit else load) + compute + save, "phase_done", w, epoch[w])
+            took = m.transfer_s(loaded) + replay * m.phase_compute_s + compute + m.transfer_s(saved)
+            push(now + took, "phase_done", w, epoch[w])
     return {"wall_s": now, "utilisation": m.paths * m.rounds * m.phase_compute_s / (workers * now), "finished": True,
             "rounds_kept": m.rounds, "useful_s": useful, "wasted_s": wasted, "preemptions": preemptions,
             "storage_bytes_per_phase": storage_bytes / max(1, sum(done_at.values()))}
@@ -258,7 +269,13 @@ def _sticky(m: Model, workers: int, rate: float, seed: int) -> dict:
     return simulate_queue(replace(m, sticky=True), workers, rate, seed)
 
 
-ENGINES = (("task queue", simulate_queue), ("task queue, sticky", _sticky), ("synchronous", simulate_sync))
+def _sticky_sparse(m: Model, workers: int, rate: float, seed: int) -> dict:
+    return simulate_queue(replace(m, sticky=True, state_every=SPARSE), workers, rate, seed)
+
+
+SPARSE = 4  # checkpoint_every of the sparse sticky row
+ENGINES = (("task queue", simulate_queue), ("task queue, sticky", _sticky),
+           (f"task queue, sticky, checkpoint every {SPARSE}", _sticky_sparse), ("synchronous", simulate_sync))
 
 
 def sweep(m: Model, workers: list[int], rates: list[float], seeds: int) -> list[dict]:
@@ -299,7 +316,7 @@ def plot(rows: list[dict], title: str, out: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for w in sorted({r["workers"] for r in rows}):
-        for engine, style in (("task queue", "-o"), ("task queue, sticky", ":^"), ("synchronous", "--s")):
+        for engine, style in zip([e for e, _ in ENGINES], ("-o", ":^", "-.v", "--s")):
             sel = [r for r in rows if r["workers"] == w and r["engine"] == engine]
             x = [r["rate_per_worker_hour"] for r in sel]
             a.plot(x, [r["utilisation"] for r in sel], style, label=f"{engine}, {w} workers")

@@ -178,7 +178,8 @@ class RayConfig:
     sticky: bool = True
     """A phase prefers the node that trained its trainee last (a soft affinity: another node when that one is busy or gone)
     and reads the trainee state from that node's local cache, checked against its commit record's checksum;
-    storage keeps the durable copy, so a lost node costs a download, never bits."""
+    storage keeps the durable copy at every checkpoint round (``checkpoint_every``), so a lost node costs a download
+    and the replay of its phases since, never bits."""
     gpus_per_phase: float = 1.0
     """With --device cuda (or auto on a cluster with GPUs): the GPUs a phase asks Ray for; a fraction (0.5) packs
     that many phases on one GPU."""
@@ -223,7 +224,10 @@ class TrainConfig:
     log_every: int = 10
     """Inner steps between training-loss lines in metrics.jsonl."""
     checkpoint_every: int = 1
-    """Rounds between checkpoints (the last round is always saved; resume starts from the last one saved)."""
+    """Rounds between checkpoints (the last round is always saved; resume starts from the last one saved). With
+    --engine ray and sticky trainees it is also how often a trainee's AdamW state goes to storage: in between it stays
+    in the cache of the node that trained it, and a phase that runs elsewhere replays the phases since the last
+    checkpoint (the same bits, more compute)."""
     threads: int = flag(1)
     """torch threads per trainee, honoured by every engine (in-process, torchrun, ray). The engines give the same bits
     at the same thread count; a different count may change the last bits (another summation order in a kernel)."""

@@ -95,3 +95,19 @@ def test_sticky_trainees_read_their_state_from_the_worker_cache():
     assert sticky["wall_s"] < plain["wall_s"]  # the state's download is off every cached phase
     lossy = simulate_queue(replace(m, sticky=True), 4, 20.0, seed=3)
     assert expected < lossy["storage_bytes_per_phase"] <= full
+
+
+def test_sticky_states_written_every_k_rounds_and_replayed_after_a_loss():
+    """With the state durable only every K rounds, a phase writes it once per K; a preempted worker's trainees
+    read the last durable state and replay the rounds since (their compute counted as wasted)."""
+    m = replace(BARE, paths_per_level=2, rounds=4, storage_mbit=1000.0, module_bytes=100e6, state_bytes=200e6,
+                payload_bytes=12.5e6, sticky=True)
+    every = simulate_queue(m, 4, 0.0, seed=0)
+    sparse = simulate_queue(replace(m, state_every=4), 4, 0.0, seed=0)
+    # per trainee: 4 module reads, 1 state read (round 0), 4 payloads, and the state written 4 times or once
+    assert every["storage_bytes_per_phase"] == pytest.approx(m.module_bytes + m.payload_bytes + m.state_bytes * 5 / 4)
+    assert sparse["storage_bytes_per_phase"] == pytest.approx(m.module_bytes + m.payload_bytes + m.state_bytes * 2 / 4)
+    assert sparse["wall_s"] < every["wall_s"] and sparse["wasted_s"] == every["wasted_s"] == 0
+    lossy = simulate_queue(replace(m, state_every=4), 4, 20.0, seed=3)
+    assert lossy["preemptions"] > 0 and lossy["wasted_s"] > 0
+    assert lossy["storage_bytes_per_phase"] > sparse["storage_bytes_per_phase"]  # misses read states and replay modules

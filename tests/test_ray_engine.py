@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -189,6 +190,24 @@ def test_a_driver_killed_mid_run_resumes_with_the_same_bits(shards_2x2, cluster,
     finish(start_driver(shards_2x2, out, cluster, resume=True))  # the delay hook only slows a first attempt
     assert_same_weights(reference(shards_2x2, tmp_path_factory), out)
     assert [r["round"] for r in rounds(out)] == [1, 2, 3]  # no round logged twice
+
+
+def test_states_kept_only_in_lost_caches_are_replayed_with_the_same_bits(shards_2x2, cluster, tmp_path, tmp_path_factory):
+    """checkpoint_every=3 with sticky trainees: the states after rounds 1 and 2 live only in the node caches. Every
+    cache is lost (its nodes replaced) while the outer step to version 2 is under way; round 3's phases then rebuild
+    their trainees' states by replaying rounds 1 and 2 from the round-0 checkpoint, to the in-process run's bits."""
+    out, cache = tmp_path / "ray", tmp_path / "cache"
+    proc = start_driver(shards_2x2, out, cluster, "checkpoint_every=3",
+                        env={"DIPACO_CACHE": str(cache), "DIPACO_TEST_DELAY": "step:1:20"})
+    commits = lambda: list(out.glob("queue/*/phases/1/trainee_*/commit.json"))  # noqa: E731
+    wait_for(lambda: len(commits()) == 4 and list(out.glob("queue/*/attempts/1/step_*/*.json")), "round 2's phases")
+    assert not any("state.pt" in json.loads(f.read_text())["objects"] for f in commits())  # in the caches only
+    shutil.rmtree(cache / "states")
+    finish(proc)
+    assert sorted(p.name for p in (out / "checkpoints").glob("round_*")) == ["round_0", "round_3"]
+    assert_same_weights(reference(shards_2x2, tmp_path_factory), out)
+    replayed = {p["trainee"]: p["replayed"] for p in rounds(out)[-1]["phases"]}
+    assert 2 in replayed.values() and set(replayed.values()) <= {0, 2}
 
 
 def test_a_quorum_goes_ahead_without_a_late_phase(shards_2x2, cluster, tmp_path):

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from dipaco.config import TrainConfig
+from dipaco.errors import DipacoError
 from dipaco.model.grid import Grid
 from dipaco.model.path_model import llama_config, new_model
 from dipaco.storage.objects import sha256
@@ -59,7 +60,8 @@ class PhaseSpec:
     version: int
     schedule_steps: int
     modules: dict[str, dict]    # module -> its version ``version`` (``taskstore.ref``: key and checksum)
-    state: dict                 # the trainee state to start from (a ref)
+    state: dict                 # the trainee state to start from (a ref; with "replay" when only a node cache holds
+    #                             it: its last durable copy and the rounds since, to rebuild it where that node is gone)
     exact_state: bool           # False: the state from before a dropped phase (its step moves to this round's)
     validate: bool              # this trainee validates its path at ``version`` (and no one has yet)
     val_sources: list[str]      # the shard paths of the path's validation windows (all its trainees' shards)
@@ -122,7 +124,10 @@ def run_phase(spec: PhaseSpec, node: str = "") -> dict:
     modules = _on(device, {m: store.load_tensors(r) for m, r in spec.modules.items()})
     cache = StateCache(spec.run, spec.lineage, i) if cfg.ray.sticky else None
     state, cached = cache.load(spec.state) if cache else (None, False)
-    if state is None:
+    replayed = 0
+    if state is None and "replay" in spec.state:  # kept on a node that is gone: rebuilt from the last durable copy
+        state, replayed = _replay(store, spec, tr, device, cache)
+    elif state is None:
         state = store.load_state(spec.state)  # AdamW's load_state_dict moves its moments to the parameters' device
     if not spec.exact_state:
         state["step"] = v * cfg.inner_steps
@@ -155,18 +160,49 @@ def run_phase(spec: PhaseSpec, node: str = "") -> dict:
         deltas[m] = (flat if bits == 32 else quantize(flat, bits, block)).cpu()
     sent = sum(t.numel() * t.element_size() for t in deltas.values())
     new_state = state_bytes(tr.state())
-    objects = {"deltas.safetensors": store.put(base, attempt_id, "deltas.safetensors", tensors_bytes(deltas)),
-               "state.pt": store.put(base, attempt_id, "state.pt", new_state)}  # the durable copy, always
+    objects = {"deltas.safetensors": store.put(base, attempt_id, "deltas.safetensors", tensors_bytes(deltas))}
+    if durable_state(cfg, v + 1):
+        objects["state.pt"] = store.put(base, attempt_id, "state.pt", new_state)
     if cache:
-        cache.keep(new_state, objects["state.pt"]["sha256"])
+        cache.keep(new_state, sha256(new_state))
     record = {"trainee": i, "path": spec.path, "version": v, "attempt": attempt, "train_loss": mean, "inner": logs,
               "val_loss": val, "bytes_sent": sent, "bytes_loaded": sum(t.numel() * t.element_size()
                                                                       for ts in modules.values() for t in ts.values()),
               "load_s": loaded - began, "val_s": validated - loaded, "compute_s": computed - validated,
               "save_s": time.perf_counter() - computed, **where(), "node": node, **store.storage.counters(),
-              "state_cached": cached}
+              "state_cached": cached, "state_sha256": sha256(new_state), "replayed": replayed}
     record["committed"] = store.commit(base, attempt_id, objects, record)  # last: the first attempt to commit wins
     return record
+
+
+def durable_state(cfg: TrainConfig, v: int) -> bool:
+    """Whether the trainee state at version ``v`` goes to storage. With sticky trainees it lives in the node cache
+    between checkpoint rounds (``checkpoint_every``), where the driver assembles checkpoints from the durable copies;
+    without them, or with a quorum (a dropped phase's trainee restarts from an older state), every phase writes it."""
+    return not cfg.ray.sticky or cfg.ray.quorum > 0 or v % cfg.checkpoint_every == 0 or v >= cfg.rounds
+
+
+def _replay(store: TaskStore, spec: PhaseSpec, tr, device: torch.device, cache: StateCache | None) -> tuple[dict, int]:
+    """The trainee state at ``spec.version`` when the node that kept it is gone: its last durable copy, then the
+    phases since, replayed from the same modules and data (same inputs, same bits: checked against the checksum the
+    last of them committed). Costs downloads and compute, never bits; returns (state, phases replayed)."""
+    chain = spec.state["replay"]
+    state = store.load_state(chain["from"])
+    for step in chain["rounds"]:
+        tr.load_state(state)
+        tr.model.load_modules(_on(device, {m: store.load_tensors(r) for m, r in step["modules"].items()}))
+        tr.model.model.train()
+        for _ in range(spec.cfg.inner_steps):
+            inner_step(tr, spec.cfg, spec.schedule_steps)
+        state = tr.state()
+    data = state_bytes(state)
+    if sha256(data) != spec.state["sha256"]:
+        raise DipacoError(f"replaying trainee {spec.trainee}'s phases {chain['rounds'][0]['version'] + 1}.."
+                          f"{chain['rounds'][-1]['version'] + 1} gave another state than they committed (training is "
+                          f"not deterministic on this machine?); set checkpoint_every=1 so that every state is durable")
+    if cache:
+        cache.keep(data, spec.state["sha256"])
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), len(chain["rounds"])
 
 
 def outer_step(spec: StepSpec, node: str = "") -> dict:

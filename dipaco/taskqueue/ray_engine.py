@@ -253,9 +253,26 @@ class TaskQueue:
                 digest = body["objects"]["state.pt"]["sha256"] if body and "state.pt" in body["objects"] else ""
                 return ref(f"checkpoints/round_{u}/state/trainee_{i}.pt", digest), u == v
             if (i, u - 1) not in self.ledger.dropped:
-                key = self.store.phase_key(u - 1, i)
-                return self.store.object_ref(key, self.ledger.phases[(i, u - 1)], "state.pt"), u == v
+                body = self.ledger.phases[(i, u - 1)]
+                if "state.pt" not in body["objects"]:  # sticky: in the cache of the node that trained it
+                    return self.replay_ref(i, u), u == v
+                return self.store.object_ref(self.store.phase_key(u - 1, i), body, "state.pt"), u == v
             u -= 1
+
+    def replay_ref(self, i: int, v: int) -> dict:
+        """Trainee i's state at v, kept only in a node cache (``dipaco.taskqueue.phases.durable_state``): its checksum
+        (the cache's key) and, for a phase that runs where that cache is gone, its last durable state and the rounds
+        since, each with its modules' refs. Checkpoint rounds are durable, so the rounds lie after the last checkpoint,
+        whose queue entries are kept."""
+        path = self.plan.trainees[i][0]
+        rounds, u = [v - 1], v - 1
+        while u not in self.checkpoints and "state.pt" not in self.ledger.phases[(i, u - 1)]["objects"]:
+            u -= 1
+            rounds.append(u)
+        start, _ = self.state_ref(i, u)
+        steps = [{"version": w, "modules": {m: self.module_ref(m, w) for m in self.grid.path_modules(path)}}
+                 for w in reversed(rounds)]
+        return {**ref("", self.ledger.phases[(i, v - 1)]["record"]["state_sha256"]), "replay": {"from": start, "rounds": steps}}
 
     def launch_phase(self, i: int, v: int) -> None:
         path, sources = self.plan.trainees[i]
@@ -394,7 +411,7 @@ class TaskQueue:
             self.counts["retried"] += len(tries) > 1
             phases.append({k: info[k] for k in ("trainee", "path", "node", "host", "pid", "load_s", "val_s", "compute_s",
                                                 "save_s", "bytes_sent", "bytes_loaded")} | {"attempts": len(tries)}
-                          | {k: info.get(k, 0) for k in ("storage_read", "storage_written", "state_cached")})
+                          | {k: info.get(k, 0) for k in ("storage_read", "storage_written", "state_cached", "replayed")})
         losses = [x for x in by_trainee if x is not None]
         steps = [self.ledger.steps[(g, v)]["record"] for g in self.groups.modules]
         tokens = len(losses) * self.inner_steps * self.cfg.inner.batch_size * self.cfg.model.max_seq_len
