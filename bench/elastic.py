@@ -186,13 +186,19 @@ def simulate_queue(m: Model, workers: int, rate_per_hour: float, seed: int, log:
                     heapq.heappush(ready, (v, p))
         while idle and ready:
             # sticky: a ready phase whose trainee's state sits on an idle worker goes there (lowest round first);
-            # the rest, like every phase without it, to the first idle worker (the affinity is soft)
-            home = [x for x in sorted(ready) if m.sticky and cached.get(x[1], (-1, 0))[0] in idle
-                    and cached[x[1]][1] == epoch[cached[x[1]][0]]]
-            r, p = home[0] if home else ready[0]
+            # the rest, like every phase without it, to the first idle worker (the affinity is soft), except a
+            # phase whose state is only in a live worker's cache: it waits for that worker rather than replay
+            def home(x):
+                w, e = cached.get(x[1], (-1, 0))
+                return w if m.sticky and w >= 0 and e == epoch[w] else None
+            free = [x for x in sorted(ready) if home(x) in idle or home(x) is None or durable_at[x[1]] == x[0]]
+            if not free:
+                break
+            at_home = [x for x in free if home(x) in idle]
+            r, p = at_home[0] if at_home else free[0]
             ready.remove((r, p))
             heapq.heapify(ready)
-            hit = bool(home)
+            hit = bool(at_home)
             w = cached[p][0] if hit else idle[0]
             idle.remove(w)
             compute = m.phase_compute_s * rng.lognormvariate(0.0, m.jitter)

@@ -169,7 +169,6 @@ class TaskQueue:
         self.checkpoints = {r for r in checkpoint.list_rounds(local) if r <= start}
         self.executors = [_Executor.remote(store.run, store.lineage, k) for k in range(cfg.ray.executors)]
         self.ledger = Ledger.scan(store, start, self.rounds, self.num_trainees, self.groups, local, _say)
-        self.last_node: dict[int, str] = {}  # trainee -> the node of its last committed phase (sticky trainees)
         self.inflight: dict = {}  # ObjectRef -> ("phase", i, v) | ("step", g, v) | ("val", path, v)
         self.quorum_since: dict[tuple[str, int], float] = {}
         self.next_round = start + 1
@@ -282,10 +281,13 @@ class TaskQueue:
         spec = PhaseSpec(self.store.run, self.store.lineage, self.shards_location, self.cfg, self.grid, i, path, sources, v,
                          self.schedule, files, state, exact, validate, self.val_sources[path], self.device)
         options = dict(self.task_options)
-        node = self.last_node.get(i)
-        if self.cfg.ray.sticky and node:  # where its state is cached, when that node has a free CPU now (a busy or
-            # lost node never holds a phase back: the queue stays elastic, a miss costs one download)
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True, _spill_on_unavailable=True)
+        last = self.ledger.phases.get((i, v - 1))  # the committed phase before it: its node caches the state
+        node = last["record"].get("node") if last and (i, v - 1) not in self.ledger.dropped else None
+        if self.cfg.ray.sticky and node:
+            # a state in storage too: that node if it has a free CPU now, else any (a miss costs one download); a
+            # state only in that node's cache: wait for the node while it lives (a miss costs a replay)
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True,
+                                                                            _spill_on_unavailable="replay" not in state)
         self.inflight[_phase.options(**options).remote(spec)] = ("phase", i, v)
 
     def launch_step(self, g: str, v: int) -> None:
@@ -318,7 +320,6 @@ class TaskQueue:
                               f"(without limit, the default)") from None
         if kind == "phase" and (who, v) not in self.ledger.dropped:
             self.ledger.phases[(who, v)] = self.store.read_commit(self.store.phase_key(v, who))
-            self.last_node[who] = result["node"] if result.get("committed") else self.last_node.get(who)
             self.ledger.done.add((who, v))
             self.bar.update(self.inner_steps)
         elif kind == "step":
