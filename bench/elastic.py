@@ -320,7 +320,7 @@ def plot(rows: list[dict], title: str, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 5.4))
     for w in sorted({r["workers"] for r in rows}):
         for engine, style in zip([e for e, _ in ENGINES], ("-o", ":^", "-.v", "--s")):
             sel = [r for r in rows if r["workers"] == w and r["engine"] == engine]
@@ -329,9 +329,10 @@ def plot(rows: list[dict], title: str, out: Path) -> None:
             b.plot(x, [r["wall_s"] / 3600 for r in sel], style, label=f"{engine}, {w} workers")
     a.set(xlabel="preemptions per worker-hour", ylabel="worker utilisation", ylim=(0, 1.05), title="utilisation")
     b.set(xlabel="preemptions per worker-hour", ylabel="wall-clock (hours)", yscale="log", title="time to finish")
-    a.legend(fontsize=7)
+    handles, labels = a.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
     fig.savefig(out, dpi=120)
     plt.close(fig)
 
