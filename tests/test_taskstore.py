@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from conftest import tiny_train_config
 from dipaco.cli.commands import main
 from dipaco.config import TrainConfig, resolve
 from dipaco.errors import DipacoError
@@ -178,3 +179,17 @@ def test_a_sticky_trainees_state_comes_from_the_node_cache_only_when_its_checksu
     f.write_bytes(b"damaged")
     assert cache.load(ref("k", sha256(second))) == (None, False)
     assert StateCache("s3://bucket/other", "L", 3).load(ref("k", sha256(second))) == (None, False)
+
+
+def test_a_queue_is_reused_only_under_the_same_durable_rounds():
+    """Checkpoints are assembled from the phases' durable states: a queue grown with sticky states every K rounds is
+    not read under another K or another last round (its checkpoints would lack states), and K=1 digests as before."""
+    from dipaco.taskqueue.runstore import config_digest
+
+    def digest(*sets: str, rounds: int = 8) -> str:
+        return config_digest(tiny_train_config(*sets, rounds=rounds), 80)
+
+    plain = digest()
+    assert digest("checkpoint_every=4") not in (plain, digest("checkpoint_every=2"), digest("checkpoint_every=4", rounds=12))
+    assert digest("checkpoint_every=4", "ray.sticky=false") == digest("checkpoint_every=4", "ray.quorum=2") == plain
+    assert digest(rounds=12) == plain  # every state durable: the round count does not matter

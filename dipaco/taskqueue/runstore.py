@@ -84,6 +84,9 @@ def config_digest(cfg: TrainConfig, schedule_steps: int) -> str:
     keep["threads"] = cfg.trainee_threads
     keep["comm"] = {k: d["comm"][k] for k in ("bits", "block_size")}
     keep["schedule_steps"] = schedule_steps
+    durable_every = cfg.checkpoint_every if cfg.ray.sticky and not cfg.ray.quorum else 1
+    if durable_every != 1:  # which phases wrote a durable trainee state (checkpoints are assembled from those;
+        keep["durable"] = [durable_every, cfg.rounds]  # the last round's always is)
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
