@@ -194,15 +194,17 @@ def _replay(store: TaskStore, spec: PhaseSpec, tr, device: torch.device, cache: 
         tr.model.model.train()
         for _ in range(spec.cfg.inner_steps):
             inner_step(tr, spec.cfg, spec.schedule_steps)
-        state = tr.state()
-    data = state_bytes(state)
+        # through bytes, as every phase got its state: re-loading the optimizer's live state dict into it trains
+        # to other bits (tests/test_sticky_replay.py fails without this)
+        data = state_bytes(tr.state())
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     if sha256(data) != spec.state["sha256"]:
         raise DipacoError(f"replaying trainee {spec.trainee}'s phases {chain['rounds'][0]['version'] + 1}.."
                           f"{chain['rounds'][-1]['version'] + 1} gave another state than they committed (training is "
                           f"not deterministic on this machine?); set checkpoint_every=1 so that every state is durable")
     if cache:
         cache.keep(data, spec.state["sha256"])
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), len(chain["rounds"])
+    return state, len(chain["rounds"])
 
 
 def outer_step(spec: StepSpec, node: str = "") -> dict:
