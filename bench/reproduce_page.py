@@ -149,21 +149,31 @@ def page(results: dict, s: Scale, pictures: dict[str, dict[str, str]], command: 
 
 def readme_lines(results: dict) -> str:
     """The README's results lines: one per corpus, with the headline and the checks, linking the page."""
-    out = ["[docs/RESULTS.md](docs/RESULTS.md) runs the papers' comparison at CPU scale; these lines and the page are "
-           "written by `python bench/reproduce.py --page docs/RESULTS.md` from the durable job results in "
-           "docs/results/jobs/:", ""]
+    import textwrap
+
+    intro = ("[docs/RESULTS.md](docs/RESULTS.md) runs the papers' comparison at CPU scale; these lines and the page are "
+             "written by `python bench/reproduce.py --page docs/RESULTS.md` from the durable job results in "
+             "docs/results/jobs/ (shared / default corpus):")
+    out = textwrap.wrap(intro, 115) + [""]
     for name, res in results["corpora"].items():
         checked = [e for e in res["expectations"] if e["held"] is not None]
         head = (res.get("headline") or {}).get("run")
-        dense = res["runs"]["dense"].get("perplexity")
+        runs = res["runs"]
+        dense = runs["dense"].get("perplexity")
+        below = lambda r: f"{100 * (1 - runs[r]['perplexity'] / dense):.1f}%"  # noqa: E731
         if head and dense:
-            h = res["runs"][head]
-            text = (f"{h['label']} (headline, chosen on validation) is {100 * (1 - h['perplexity'] / dense):.1f}% below dense "
-                    f"at the same steps per path ({fmt(h['perplexity'])} vs {fmt(dense)}; 5% expected)")
+            h = runs[head]
+            text = (f"{h['label']} (headline, chosen on validation; {h['parameters_total']:,} parameters in all, "
+                    f"{h['parameters_per_path']:,} per path) is {below(head)} below dense at the same steps per path "
+                    f"({fmt(h['perplexity'])} vs {fmt(dense)}; 5% expected)")
+            if head != "dipaco-2x2" and runs["dipaco-2x2"].get("perplexity"):
+                text += f"; DiPaCo 2x2 with every module shared: {below('dipaco-2x2')}"
         else:
             text = f"the headline DiPaCo row is {MISSING}"
-        out.append(f"- {name}: {text}; {sum(e['held'] for e in checked)} of {len(checked)} checks hold"
-                   + unchecked(res["expectations"]) + ".")
+        failed = [f"`{e['id']}`" for e in checked if not e["held"]]
+        text += (f"; {sum(e['held'] for e in checked)} of {len(checked)} checks hold" + unchecked(res["expectations"])
+                 + (f" (not: {', '.join(failed)})" if failed else "") + ".")
+        out += textwrap.wrap(f"- {name}: {text}", 115, subsequent_indent="  ", break_on_hyphens=False)
     return "\n".join(out)
 
 
