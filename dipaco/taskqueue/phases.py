@@ -198,7 +198,8 @@ def _replay(store: TaskStore, spec: PhaseSpec, tr, device: torch.device, cache: 
         # through bytes, as every phase got its state: re-loading the optimizer's live state dict into it trains
         # to other bits (tests/test_sticky_replay.py fails without this)
         data = state_bytes(tr.state())
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        buf = io.BytesIO(data)
+        state = torch.load(buf, map_location="cpu", weights_only=True)
     if sha256(data) != spec.state["sha256"]:
         raise DipacoError(f"replaying trainee {spec.trainee}'s phases {chain['rounds'][0]['version'] + 1}.."
                           f"{chain['rounds'][-1]['version'] + 1} gave another state than they committed (training is "
