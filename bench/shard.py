@@ -210,10 +210,10 @@ def main() -> int:
                 spec = {"data": [str(f) for f in data], "out": str(out), "grid": args.grid, "extra": args.extra,
                         "engine": engine, "workers": workers, "block_bytes": int(args.block_mb * 1e6)}
                 r = run_child("shard", spec)
-                if scale == 1 and not encode:  # the reference: encode_batch with this run's tokenizer
-                    for n in (1, 2):
-                        e = run_child("encode", {"data": spec["data"], "tokenizer": str(out / "tokenizer"), "workers": n})
-                        encode[n] = e["mb"] / e["wall_s"]
+                # the reference: encode_batch with this run's tokenizer, on the first scale measured (--scales 4 alone too)
+                for n in sorted({w for _, w in runs} - set(encode)):
+                    e = run_child("encode", {"data": spec["data"], "tokenizer": str(out / "tokenizer"), "workers": n})
+                    encode[n] = e["mb"] / e["wall_s"]
                 shutil.rmtree(out, ignore_errors=True)
                 t = r["timing"]
                 r.update(scale=scale, engine=engine, workers=workers, input_documents=docs, input_mb=mb,
