@@ -161,17 +161,18 @@ def run_phase(spec: PhaseSpec, node: str = "") -> dict:
         deltas[m] = (flat if bits == 32 else quantize(flat, bits, block)).cpu()
     sent = sum(t.numel() * t.element_size() for t in deltas.values())
     new_state = state_bytes(tr.state())
+    digest = sha256(new_state)  # the cache's key and the commit record's (a paper-size state is a gigabyte: once)
     objects = {"deltas.safetensors": store.put(base, attempt_id, "deltas.safetensors", tensors_bytes(deltas))}
     if durable_state(cfg, v + 1):
         objects["state.pt"] = store.put(base, attempt_id, "state.pt", new_state)
     if cache:
-        cache.keep(new_state, sha256(new_state))
+        cache.keep(new_state, digest)
     record = {"trainee": i, "path": spec.path, "version": v, "attempt": attempt, "train_loss": mean, "inner": logs,
               "val_loss": val, "bytes_sent": sent, "bytes_loaded": sum(t.numel() * t.element_size()
                                                                       for ts in modules.values() for t in ts.values()),
               "load_s": loaded - began, "val_s": validated - loaded, "compute_s": computed - validated,
               "save_s": time.perf_counter() - computed, **where(), "node": node, **store.storage.counters(),
-              "state_cached": cached, "state_sha256": sha256(new_state), "replayed": replayed}
+              "state_cached": cached, "state_sha256": digest, "replayed": replayed}
     record["committed"] = store.commit(base, attempt_id, objects, record)  # last: the first attempt to commit wins
     return record
 
@@ -203,7 +204,9 @@ def _replay(store: TaskStore, spec: PhaseSpec, tr, device: torch.device, cache: 
     if sha256(data) != spec.state["sha256"]:
         raise DipacoError(f"replaying trainee {spec.trainee}'s phases {chain['rounds'][0]['version'] + 1}.."
                           f"{chain['rounds'][-1]['version'] + 1} gave another state than they committed (training is "
-                          f"not deterministic on this machine?); set checkpoint_every=1 so that every state is durable")
+                          f"not deterministic on this machine?); resume the run (--resume) with --set "
+                          f"checkpoint_every=1: every state is then durable, and the rounds since the last "
+                          f"checkpoint are trained again")
     if cache:
         cache.keep(data, spec.state["sha256"])
     return state, len(chain["rounds"])
