@@ -132,6 +132,11 @@ def simulate_queue(m: Model, workers: int, rate_per_hour: float, seed: int, log:
     running: dict[int, tuple] = {}  # worker -> (path, round, start, compute)
     cached: dict[int, tuple[int, int]] = {}  # path -> (worker, its epoch) holding the trainee's state
     durable_at: dict[int, int] = {p: 0 for p in range(m.paths)}  # path -> the round of its last durable state
+
+    def home(x: tuple[int, int]) -> int | None:  # the live worker caching ready phase x's trainee state
+        w, e = cached.get(x[1], (-1, 0))
+        return w if m.sticky and w >= 0 and e == epoch[w] else None
+
     storage_bytes = 0.0
     for w in range(workers):
         push(m.startup_s, "join", w, 0)
@@ -188,9 +193,6 @@ def simulate_queue(m: Model, workers: int, rate_per_hour: float, seed: int, log:
             # sticky: a ready phase whose trainee's state sits on an idle worker goes there (lowest round first);
             # the rest, like every phase without it, to the first idle worker (the affinity is soft), except a
             # phase whose state is only in a live worker's cache: it waits for that worker rather than replay
-            def home(x):
-                w, e = cached.get(x[1], (-1, 0))
-                return w if m.sticky and w >= 0 and e == epoch[w] else None
             free = [x for x in sorted(ready) if home(x) in idle or home(x) is None or durable_at[x[1]] == x[0]]
             if not free:
                 break
