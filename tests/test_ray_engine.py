@@ -165,7 +165,10 @@ def test_a_node_removed_and_another_added_mid_run(shards_2x2, cluster, tmp_path,
     out = tmp_path / "ray"
     spare = cluster.add_node(num_cpus=1)  # three 1-CPU nodes: three of a round's four phases run at once
     cluster.wait_for_nodes()
-    proc = start_driver(shards_2x2, out, cluster, env={"DIPACO_TEST_DELAY": ",".join(f"{i}:1:5" for i in range(4))})
+    # round 2's phases sleep 5 s (one is lost with the spare node); round 3's sleep 3 s, so its four phases overlap
+    # and the two nodes their trainees last ran on cannot take them all: a sticky phase spills to the joined node
+    delays = [f"{i}:1:5" for i in range(4)] + [f"{i}:2:3" for i in range(4)]
+    proc = start_driver(shards_2x2, out, cluster, env={"DIPACO_TEST_DELAY": ",".join(delays)})
     running = wait_for(lambda: [a for i in range(4) if (a := first_attempt(out, 1, f"trainee_{i}"))
                                 and a["node"] == spare.node_id], "a round-2 phase on the spare node")
     cluster.remove_node(spare, allow_graceful=False)  # its phase (asleep mid-way) is lost with it
