@@ -1,8 +1,9 @@
 """Benchmark of the shard stage on the shared corpus (../shared/corpus) at 1x, 4x (and 16x) its size.
 
-    python bench/shard.py [--corpus DIR] [--grid 5] [--scales 1 4 16] [--out bench/shard_results.json]
+    python bench/shard.py [--corpus DIR] [--grid 5] [--scales 1 4 16] [--repeats 3] [--out bench/shard_results.json]
 
-Measures, each run a fresh process (its peak RSS its own; a worker's is read from the manifest):
+Measures, each run a fresh process (its peak RSS its own; a worker's is read from the manifest), in ``--repeats``
+windows (each: every run once, then ``encode_batch``; the table gives medians, the JSON every window):
 
 - MB/s of text (the ``text`` field, UTF-8) for the whole stage and for its per-document pass (pass 2: tokenize,
   route, write), against the tokenizer's own ``encode_batch`` on the same text and the same number of cores
@@ -25,6 +26,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -183,6 +185,7 @@ def main() -> int:
                     help="corpus sizes to run (none: only the dedup memory figure, added to an existing --out)")
     ap.add_argument("--engines", nargs="+", default=["local", "ray"], choices=["local", "ray"])
     ap.add_argument("--block-mb", type=float, default=8.0, help="data.block_bytes of the runs, in MB")
+    ap.add_argument("--repeats", type=int, default=3, help="windows: every run once, then encode_batch (medians reported)")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="shard config override")
     ap.add_argument("--out", default=str(ROOT / "bench" / "shard_results.json"))
     ap.add_argument("--dedup-docs", type=int, default=2_000_000, help="synthetic digests for the dedup memory figure")
@@ -205,25 +208,37 @@ def main() -> int:
             docs, mb = corpus_stats(data)
             # 1x: every engine at 1 and 2 workers (the speed-ups); larger: two local processes (throughput, memory)
             runs = [(e, w) for e in args.engines for w in (1, 2)] if scale == 1 else [("local", 2)]
-            for engine, workers in runs:
-                out = tmp / f"shards-x{scale}-{engine}{workers}"
-                spec = {"data": [str(f) for f in data], "out": str(out), "grid": args.grid, "extra": args.extra,
-                        "engine": engine, "workers": workers, "block_bytes": int(args.block_mb * 1e6)}
-                r = run_child("shard", spec)
-                # the reference: encode_batch with this run's tokenizer, on the first scale measured (--scales 4 alone too)
-                for n in sorted({w for _, w in runs} - set(encode)):
-                    e = run_child("encode", {"data": spec["data"], "tokenizer": str(out / "tokenizer"), "workers": n})
-                    encode[n] = e["mb"] / e["wall_s"]
-                shutil.rmtree(out, ignore_errors=True)
-                t = r["timing"]
-                r.update(scale=scale, engine=engine, workers=workers, input_documents=docs, input_mb=mb,
-                         stage_mb_s=mb / r["wall_s"], pass_mb_s=mb / t["write"], encode_mb_s=encode[workers],
-                         fixed_s=t["tokenizer"] + t["router"])
-                r["stage_vs_encode"] = r["stage_mb_s"] / encode[workers]
-                r["pass_vs_encode"] = r["pass_mb_s"] / encode[workers]
-                rows.append(r)
-                print(f"{scale}x {engine} {workers}: {r['wall_s']:.1f} s, stage {r['stage_mb_s']:.2f} MB/s, "
-                      f"pass {r['pass_mb_s']:.2f} MB/s, encode {encode[workers]:.2f} MB/s", flush=True)
+            reps: dict[tuple, list[dict]] = {run: [] for run in runs}
+            tokenizer = tmp / f"tokenizer-x{scale}"
+            for rep in range(args.repeats):
+                # a window: every run once, then encode_batch on the same text at each worker count; a run's ratios
+                # are against its own window's encode_batch (this machine's speed drifts by tens of percent)
+                window = {}
+                for engine, workers in runs:
+                    out = tmp / f"shards-x{scale}-{engine}{workers}"
+                    spec = {"data": [str(f) for f in data], "out": str(out), "grid": args.grid, "extra": args.extra,
+                            "engine": engine, "workers": workers, "block_bytes": int(args.block_mb * 1e6)}
+                    window[(engine, workers)] = run_child("shard", spec)
+                    if not tokenizer.exists():  # the same tokenizer every run (fitted on the same sample)
+                        shutil.copytree(out / "tokenizer", tokenizer)
+                    shutil.rmtree(out, ignore_errors=True)
+                speed = {}
+                for n in sorted({w for _, w in runs}):
+                    e = run_child("encode", {"data": [str(f) for f in data], "tokenizer": str(tokenizer), "workers": n})
+                    speed[n] = e["mb"] / e["wall_s"]
+                    encode.setdefault(scale, {}).setdefault(n, []).append(speed[n])
+                for (engine, workers), r in window.items():
+                    t = r["timing"]
+                    r.update(rep=rep, stage_mb_s=mb / r["wall_s"], pass_mb_s=mb / t["write"], encode_mb_s=speed[workers],
+                             fixed_s=t["tokenizer"] + t["router"])
+                    r["stage_vs_encode"] = r["stage_mb_s"] / speed[workers]
+                    r["pass_vs_encode"] = r["pass_mb_s"] / speed[workers]
+                    reps[(engine, workers)].append(r)
+                    print(f"{scale}x {engine} {workers} (window {rep + 1}/{args.repeats}): {r['wall_s']:.1f} s, stage "
+                          f"{r['stage_mb_s']:.2f} MB/s, pass {r['pass_mb_s']:.2f} MB/s, encode {speed[workers]:.2f} MB/s: "
+                          f"{r['stage_vs_encode']:.2f}x / {r['pass_vs_encode']:.2f}x", flush=True)
+            for (engine, workers), rs in reps.items():
+                rows.append(summarise(rs, scale=scale, engine=engine, workers=workers, input_documents=docs, input_mb=mb))
             shutil.rmtree(tmp / f"x{scale}", ignore_errors=True)
         dedup = run_child("dedup", {"work": str(tmp / "dedup"), "docs": args.dedup_docs}) if args.dedup_docs else None
     if not rows:  # only the dedup figure: add it to the last full run's JSON
@@ -236,22 +251,53 @@ def main() -> int:
     return 0
 
 
+def median(values):
+    return statistics.median(values)
+
+
+def summarise(reps: list[dict], **fields) -> dict:
+    """One row of the table: the median of each figure over the windows (the spread of the ratios kept), and every
+    window's run under ``repeats``."""
+    row = {**fields, "repeats": reps}
+    for key in ("wall_s", "stage_mb_s", "pass_mb_s", "encode_mb_s", "fixed_s", "stage_vs_encode", "pass_vs_encode",
+                "driver_process_peak_rss_mb"):
+        row[key] = median([r[key] for r in reps])
+    row["timing"] = {k: round(median([r["timing"][k] for r in reps]), 2) for k in reps[0]["timing"]}
+    row["spread"] = {k: [min(r[k] for r in reps), max(r[k] for r in reps)] for k in ("stage_vs_encode", "pass_vs_encode")}
+    row["execution"] = reps[0]["execution"] | {"peak_rss_mb": {k: max(r["execution"]["peak_rss_mb"][k] for r in reps)
+                                                               for k in reps[0]["execution"]["peak_rss_mb"]}}
+    for key in ("documents", "tokens", "purity", "nmi"):
+        row[key] = reps[0][key]
+    return row
+
+
 def report(rows: list[dict], encode: dict, dedup: dict | None, args) -> None:
     def find(scale, engine, workers):
         return next((r for r in rows if (r["scale"], r["engine"], r["workers"]) == (scale, engine, workers)), None)
 
+    def passes(r):
+        return r["timing"]["scan"] + r["timing"]["write"]
+
     speedup = {}
     for engine in ("local", "ray"):
         a, b = find(1, engine, 1), find(1, engine, 2)
-        if a and b:
-            speedup[engine] = {"stage": a["wall_s"] / b["wall_s"],
-                               "passes": (a["timing"]["scan"] + a["timing"]["write"]) / (b["timing"]["scan"] + b["timing"]["write"])}
+        if a and b:  # per window (the runs of one window are minutes apart), then the median
+            pairs = list(zip(a["repeats"], b["repeats"]))
+            speedup[engine] = {"stage": median([x["wall_s"] / y["wall_s"] for x, y in pairs]),
+                               "passes": median([passes(x) / passes(y) for x, y in pairs]),
+                               "passes_each_window": [round(passes(x) / passes(y), 3) for x, y in pairs]}
+    def spread(r, key):
+        lo, hi = r["spread"][key]
+        return f"{lo:.2f}-{hi:.2f}"
+
     big = max(rows, key=lambda r: r["scale"])
     per_machine = big["input_mb"] / (big["timing"]["scan"] + big["timing"]["write"])  # both passes, both cores
     eff = speedup.get("ray", speedup.get("local", {"passes": 2.0}))["passes"]
     hours = projection(per_machine, eff)
     print(f"\nshard benchmark: grid {args.grid}, tf-idf features, blocks of {args.block_mb} MB, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f} at the end (the machine is shared: other work inflates wall time)")
+    print(f"medians over {args.repeats} windows (each: every run once, then encode_batch; a run's ratios are against its "
+          f"own window's encode_batch), the ratios' range in brackets")
     print("| corpus | engine | workers | MB | wall s | stage MB/s | pass MB/s | encode_batch MB/s | stage / encode | "
           "pass / encode | scan/tok/router/write s | peak RSS MB: driver / worker max |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
@@ -259,11 +305,13 @@ def report(rows: list[dict], encode: dict, dedup: dict | None, args) -> None:
         t, rss = r["timing"], r["execution"]["peak_rss_mb"]
         worker = max(rss["scan_worker"], rss["dedup_worker"], rss["write_worker"])
         print(f"| {r['scale']}x | {r['engine']} | {r['workers']} | {r['input_mb']:.0f} | {r['wall_s']:.1f} | "
-              f"{r['stage_mb_s']:.2f} | {r['pass_mb_s']:.2f} | {r['encode_mb_s']:.2f} | {r['stage_vs_encode']:.2f} | "
-              f"{r['pass_vs_encode']:.2f} | {t['scan']}/{t['tokenizer']}/{t['router']}/{t['write']} | "
+              f"{r['stage_mb_s']:.2f} | {r['pass_mb_s']:.2f} | {r['encode_mb_s']:.2f} | {r['stage_vs_encode']:.2f} "
+              f"[{spread(r, 'stage_vs_encode')}] | {r['pass_vs_encode']:.2f} [{spread(r, 'pass_vs_encode')}] | "
+              f"{t['scan']}/{t['tokenizer']}/{t['router']}/{t['write']} | "
               f"{r['driver_process_peak_rss_mb']:.0f} / {worker:.0f} |")
     for engine, s in speedup.items():
-        print(f"speed-up 1 -> 2 workers ({engine}): whole stage {s['stage']:.2f}x, passes {s['passes']:.2f}x")
+        print(f"speed-up 1 -> 2 workers ({engine}): whole stage {s['stage']:.2f}x, passes {s['passes']:.2f}x "
+              f"(each window: {', '.join(f'{x:.2f}' for x in s['passes_each_window'])})")
     fixed = big["fixed_s"]
     print(f"300 GB projection (passes at {per_machine:.2f} MB/s per 2-core machine, measured at {big['scale']}x; "
           f"{eff:.2f}x per doubling of workers carried to every machine; plus the fits, a fixed {fixed:.0f} s at a "

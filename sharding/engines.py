@@ -26,6 +26,9 @@ from dipaco.errors import DipacoError
 # what every worker runs with: one tokenizer thread and one BLAS/torch thread (a worker is one core)
 WORKER_ENV = {"RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 PASSED_ENV = ("DIPACO_SHARD_TEST_DELAY",)  # the fault tests' hook reaches the workers
+# pass 2's modules (torch, transformers, faiss: seconds to import) load in the background of a worker's first
+# task, while it scans and the driver fits, instead of delaying its first pass-2 block
+PRELOAD = ("dipaco.sharding.parts",)
 
 
 def worker_env() -> dict[str, str]:
@@ -34,9 +37,8 @@ def worker_env() -> dict[str, str]:
 
 def _init_worker(env: dict[str, str]) -> None:
     os.environ.update(env)
-    # pass 2's modules (torch, transformers, faiss: seconds to import) load in the background while the
-    # worker scans and the driver fits, instead of delaying the worker's first pass-2 block
-    threading.Thread(target=importlib.import_module, args=("dipaco.sharding.parts",), daemon=True).start()
+    for module in PRELOAD:
+        threading.Thread(target=importlib.import_module, args=(module,), daemon=True).start()
 
 
 class Engine:
@@ -103,7 +105,7 @@ class RayEngine(Engine):
             from dipaco.taskqueue.ray_tasks import RayTasks
         except ImportError:
             raise DipacoError("--engine ray needs Ray; install it with pip install -e '.[ray]' (or pip install 'ray>=2.40')") from None
-        self.tasks = RayTasks(address, cpus, max_retries, worker_env())
+        self.tasks = RayTasks(address, cpus, max_retries, worker_env(), PRELOAD)
         self.workers = self.tasks.cpus
 
     def run(self, fn, arglist: list[tuple], desc: str = "") -> list:

@@ -26,7 +26,7 @@ from dipaco.sharding.plan import Block, block_rows
 from dipaco.sharding.scan import commit, peak_rss_mb, read_meta, temp_dir
 from dipaco.sharding.sources import DocumentFilter
 from dipaco.sharding.threads import decision_threads
-from dipaco.sharding.tokenizer import encode, load_tokenizer
+from dipaco.sharding.tokenizer import encode, load_backend_tokenizer
 from dipaco.storage.shards import ShardWriter
 
 TEST_DELAY = "DIPACO_SHARD_TEST_DELAY"  # "<block index>:<seconds>": the first attempt of that block sleeps mid-block
@@ -47,11 +47,18 @@ _loaded: dict[str, tuple] = {}  # one tokenizer and router per worker process
 def _load(fits: Fits):
     if fits.root not in _loaded:
         _loaded.clear()
-        tok = load_tokenizer(Path(fits.root) / "tokenizer")
-        with decision_threads():
+        # the Rust tokenizer alone (the same ids; transformers is not imported in a worker), and torch only for a
+        # router whose features compute with it (a model's): both take seconds to import
+        tok = load_backend_tokenizer(Path(fits.root) / "tokenizer")
+        with decision_threads(with_torch=False):
             router = Router.load(Path(fits.root) / "router")
-        _loaded[fits.root] = (tok, router)
+        _loaded[fits.root] = (tok, router, getattr(router.features, "kind", "") in ("lm", "encoder"))
     return _loaded[fits.root]
+
+
+def fits_eos(fits: Fits) -> int:
+    """The EOS id the fit step recorded (the tokenizer's own, a --tokenizer's included)."""
+    return int(json.loads((Path(fits.root) / "meta.json").read_text())["eos"])
 
 
 def _test_delay(block: Block, work: Path) -> None:
@@ -74,10 +81,10 @@ def part_block(block: Block, cfg: ShardConfig, work: str, fits: Fits, fingerprin
     final = Path(work) / "parts" / block.name
     if (meta := read_meta(final)) is not None:
         return meta
-    tok, router = _load(fits)
+    tok, router, with_torch = _load(fits)
     paths, r, d = router.paths, cfg.routing, cfg.data
     tmp = temp_dir(final)
-    writer = ShardWriter(tmp, paths, np.dtype(fits.dtype), tok.eos_token_id)
+    writer = ShardWriter(tmp, paths, np.dtype(fits.dtype), fits_eos(fits))
     filt = DocumentFilter(d.min_chars, d.max_chars, dedup=False)
     written = {HELDOUT: 0, ROUTER: 0, TRAIN: 0}
     primary = np.zeros(len(paths), dtype=np.int64)  # training documents per path, before overlap copies
@@ -90,7 +97,7 @@ def part_block(block: Block, cfg: ShardConfig, work: str, fits: Fits, fingerprin
             return
         future, rows = pending.pop()
         ids = future.result()
-        with decision_threads():
+        with decision_threads(with_torch):
             dist = router.distances_of_ids(ids)
         nearest = dist.argmin(axis=1)
         top = top_paths(dist, nearest, max(1, r.overlap))

@@ -11,7 +11,9 @@ in a fixed order per row, ``dipaco.routing.kmeans.row_dot``, so they do not depe
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import sys
 
 DECISION_THREADS = 1
 
@@ -28,21 +30,25 @@ def set_num_proc(num_proc: int) -> int:
 
 
 @contextlib.contextmanager
-def decision_threads():
-    """Run the body with BLAS/OpenMP (threadpoolctl), faiss and torch pinned to ``DECISION_THREADS``."""
+def decision_threads(with_torch: bool = True):
+    """Run the body with BLAS/OpenMP (threadpoolctl), faiss and torch pinned to ``DECISION_THREADS``.
+    ``with_torch=False`` for a body that never computes with torch (a tf-idf router): torch is then pinned only if
+    it is loaded already, and not imported for it (seconds off the start of a pass-2 worker)."""
     import faiss
-    import torch
     from threadpoolctl import threadpool_limits
 
-    before_faiss, before_torch = faiss.omp_get_max_threads(), torch.get_num_threads()
+    torch = importlib.import_module("torch") if with_torch else sys.modules.get("torch")
+    before_faiss, before_torch = faiss.omp_get_max_threads(), torch.get_num_threads() if torch else 0
     faiss.omp_set_num_threads(DECISION_THREADS)
-    torch.set_num_threads(DECISION_THREADS)
+    if torch:
+        torch.set_num_threads(DECISION_THREADS)
     try:
         with threadpool_limits(limits=DECISION_THREADS):
             yield
     finally:
         faiss.omp_set_num_threads(before_faiss)
-        torch.set_num_threads(before_torch)
+        if torch:
+            torch.set_num_threads(before_torch)
 
 
 def in_decision_threads(fn, *args):

@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # imported where used: a pass-2 worker encodes with the Rust tokenizer alone
+    from transformers import PreTrainedTokenizerFast
 
 from dipaco.errors import DipacoError
 
@@ -27,6 +29,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
 
 
 def wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS,
                                    unk_token=None, model_max_length=1 << 30, clean_up_tokenization_spaces=False)
 
@@ -35,6 +39,8 @@ def load_tokenizer(directory: str | Path) -> PreTrainedTokenizerFast:
     directory = Path(directory)
     if not (directory / "tokenizer.json").is_file():
         raise DipacoError(f"{directory} holds no tokenizer.json; pass a Hugging Face tokenizer directory to --tokenizer")
+    from transformers import PreTrainedTokenizerFast
+
     tok = PreTrainedTokenizerFast.from_pretrained(str(directory))
     if tok.eos_token_id is None:
         raise DipacoError(f"tokenizer in {directory} has no EOS token; documents need a separator, add one and save it again")
@@ -42,9 +48,15 @@ def load_tokenizer(directory: str | Path) -> PreTrainedTokenizerFast:
     return tok
 
 
-def encode(tok: PreTrainedTokenizerFast, texts: list[str]) -> list[list[int]]:
+def load_backend_tokenizer(directory: str | Path) -> Tokenizer:
+    """The Rust tokenizer of a directory ``load_tokenizer`` accepted before (its tokenizer.json): the same ids,
+    without importing transformers (a pass-2 worker only encodes)."""
+    return Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
+
+
+def encode(tok: PreTrainedTokenizerFast | Tokenizer, texts: list[str]) -> list[list[int]]:
     """Token ids of each text, no special tokens (batched in Rust, on all cores)."""
-    return [e.ids for e in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+    return [e.ids for e in getattr(tok, "backend_tokenizer", tok).encode_batch(texts, add_special_tokens=False)]
 
 
 def tokenizer_sha256(directory: str | Path) -> str:

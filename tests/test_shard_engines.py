@@ -146,3 +146,12 @@ def test_an_s3_corpus_gives_the_same_bytes(corpus, reference, s3_server, tmp_pat
     assert [i["path"] for i in m["inputs"]] == [f"s3://{bucket}/corpus/{n}" for n in ("a.jsonl", "b.jsonl", "c.parquet")]
     assert m["execution"]["blocks"] == json.loads((reference / "manifest.json").read_text())["execution"]["blocks"]
     assert digests(out, same_inputs=False) == digests(reference, same_inputs=False)
+
+
+def test_a_pass_2_worker_imports_neither_torch_nor_transformers():
+    """A worker's pass-2 modules load in seconds: the Rust tokenizer encodes, and torch is left to routers that
+    compute with it (a model's features). Importing them took 5 s of each worker's start on this machine."""
+    code = ("import sys, dipaco.sharding.parts, dipaco.sharding.scan; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

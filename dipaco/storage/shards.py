@@ -25,10 +25,12 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the sampler imports it: the shard stage's workers write shards without torch (seconds to import)
+    import torch
 
 from dipaco.errors import DipacoError
 from dipaco.io import read_json, sha256_dir, write_json
@@ -269,11 +271,15 @@ class BatchSampler:
             sizes = ", ".join(f"{n}: {len(a)}" for n, a in zip(names, arrays))
             raise DipacoError(f"training data for {'/'.join(names)} has too few tokens ({sizes}) for one sequence of "
                               f"{seq_len + 1}; shard more text, use fewer paths, or lower model.max_seq_len")
+        import torch
+
         self.arrays, self.seq_len, self.batch_size = usable, seq_len, batch_size
         self.weights = torch.tensor([len(a) - seq_len - 1 for a in usable], dtype=torch.float64)
         self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> torch.Tensor:
+        import torch
+
         sources = torch.multinomial(self.weights, self.batch_size, replacement=True, generator=self.generator)
         rows = []
         for s in sources.tolist():

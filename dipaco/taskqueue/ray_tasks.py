@@ -8,6 +8,8 @@ retried (it would raise again) and reaches the driver as itself.
 
 from __future__ import annotations
 
+import importlib
+import threading
 from typing import Callable
 
 import ray
@@ -16,20 +18,30 @@ from ray.exceptions import RayTaskError
 from dipaco.taskqueue.ray_cluster import connect
 
 
-def _call(fn, *args):
+_preloading: threading.Thread | None = None  # per worker process
+
+
+def _call(preload: tuple[str, ...], fn, *args):
+    # A worker's first task starts importing the modules of the stage's later tasks beside it, so that a later
+    # task does not import them on its critical path (the shard stage's pass 2: torch, transformers, faiss)
+    global _preloading
+    if preload and _preloading is None:
+        _preloading = threading.Thread(target=lambda: [importlib.import_module(m) for m in preload], daemon=True)
+        _preloading.start()
     return fn(*args)
 
 
 class RayTasks:
-    def __init__(self, address: str, cpus: int, max_retries: int, env: dict[str, str]):
+    def __init__(self, address: str, cpus: int, max_retries: int, env: dict[str, str], preload: tuple[str, ...] = ()):
         self.started = not ray.is_initialized()
         if self.started:  # a local Ray kept to 127.0.0.1 without a dashboard, or the cluster at address (one place)
             connect(address, cpus, env)
         self.cpus = int(ray.cluster_resources().get("CPU", cpus))
         self.remote = ray.remote(num_cpus=1, max_retries=max_retries, retry_exceptions=False)(_call)
+        self.preload = tuple(preload)
 
     def run(self, fn, arglist: list[tuple], on_done: Callable[[], None] = lambda: None) -> list:
-        refs = [self.remote.remote(fn, *args) for args in arglist]
+        refs = [self.remote.remote(self.preload, fn, *args) for args in arglist]
         index = {ref: i for i, ref in enumerate(refs)}
         out: list = [None] * len(refs)
         waiting = list(refs)
