@@ -31,6 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+# the fit step saves the tokenizer through transformers (seconds to import): loaded with the driver, before the
+# stage starts, as it was before pass-2 workers stopped importing it (dipaco.sharding.tokenizer imports it lazily)
+from transformers import PreTrainedTokenizerFast  # noqa: F401
 
 import dipaco
 from dipaco.config import to_dict, to_toml
