@@ -26,7 +26,7 @@ from dipaco.errors import DipacoError
 # what every worker runs with: one tokenizer thread and one BLAS/torch thread (a worker is one core)
 WORKER_ENV = {"RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 PASSED_ENV = ("DIPACO_SHARD_TEST_DELAY",)  # the fault tests' hook reaches the workers
-# pass 2's modules (torch, transformers, faiss: seconds to import) load in the background of a worker's first
+# pass 2's modules (scikit-learn, scipy, faiss: seconds to import) load in the background of a worker's first
 # task, while it scans and the driver fits, instead of delaying its first pass-2 block
 PRELOAD = ("dipaco.sharding.parts",)
 

@@ -23,7 +23,7 @@ _preloading: threading.Thread | None = None  # per worker process
 
 def _call(preload: tuple[str, ...], fn, *args):
     # A worker's first task starts importing the modules of the stage's later tasks beside it, so that a later
-    # task does not import them on its critical path (the shard stage's pass 2: torch, transformers, faiss)
+    # task does not import them on its critical path (the shard stage's pass 2: scikit-learn, scipy, faiss)
     global _preloading
     if preload and _preloading is None:
         _preloading = threading.Thread(target=lambda: [importlib.import_module(m) for m in preload], daemon=True)
