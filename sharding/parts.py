@@ -39,6 +39,7 @@ class Fits:
     root: str  # WORK/fits (tokenizer/, router/)
     roles: Roles
     dtype: str
+    eos: int  # the tokenizer's EOS id (a worker loads the Rust tokenizer alone, which does not know it)
 
 
 _loaded: dict[str, tuple] = {}  # one tokenizer and router per worker process
@@ -54,11 +55,6 @@ def _load(fits: Fits):
             router = Router.load(Path(fits.root) / "router")
         _loaded[fits.root] = (tok, router, getattr(router.features, "kind", "") in ("lm", "encoder"))
     return _loaded[fits.root]
-
-
-def fits_eos(fits: Fits) -> int:
-    """The EOS id the fit step recorded (the tokenizer's own, a --tokenizer's included)."""
-    return int(json.loads((Path(fits.root) / "meta.json").read_text())["eos"])
 
 
 def _test_delay(block: Block, work: Path) -> None:
@@ -84,7 +80,7 @@ def part_block(block: Block, cfg: ShardConfig, work: str, fits: Fits, fingerprin
     tok, router, with_torch = _load(fits)
     paths, r, d = router.paths, cfg.routing, cfg.data
     tmp = temp_dir(final)
-    writer = ShardWriter(tmp, paths, np.dtype(fits.dtype), fits_eos(fits))
+    writer = ShardWriter(tmp, paths, np.dtype(fits.dtype), fits.eos)
     filt = DocumentFilter(d.min_chars, d.max_chars, dedup=False)
     written = {HELDOUT: 0, ROUTER: 0, TRAIN: 0}
     primary = np.zeros(len(paths), dtype=np.int64)  # training documents per path, before overlap copies

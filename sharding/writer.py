@@ -140,7 +140,7 @@ def fit_step(work: Path, scanned: dict, cfg: ShardConfig, tokenizer_dir: str | N
                 "timing": {"tokenizer": round(t_tok, 2), "router": round(time.perf_counter() - began - t_tok, 2)}}
         (tmp / "meta.json").write_text(json.dumps(meta))
         commit(tmp, final)
-    return Fits(str(final), scanned["roles"], meta["dtype"]), meta
+    return Fits(str(final), scanned["roles"], meta["dtype"], int(meta["eos"])), meta
 
 
 def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: str | None = None,
