@@ -292,8 +292,9 @@ def report(rows: list[dict], encode: dict, dedup: dict | None, args) -> None:
 
     big = max(rows, key=lambda r: r["scale"])
     per_machine = big["input_mb"] / (big["timing"]["scan"] + big["timing"]["write"])  # both passes, both cores
-    eff = speedup.get("ray", speedup.get("local", {"passes": 2.0}))["passes"]
-    hours = projection(per_machine, eff)
+    # the projection scales by a measured speed-up (Ray's, else local processes'), never an assumed one
+    eff = speedup.get("ray", speedup.get("local", {})).get("passes")
+    hours = projection(per_machine, eff) if eff else {}
     print(f"\nshard benchmark: grid {args.grid}, tf-idf features, blocks of {args.block_mb} MB, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f} at the end (the machine is shared: other work inflates wall time)")
     print(f"medians over {args.repeats} windows (each: every run once, then encode_batch; a run's ratios are against its "
@@ -313,10 +314,13 @@ def report(rows: list[dict], encode: dict, dedup: dict | None, args) -> None:
         print(f"speed-up 1 -> 2 workers ({engine}): whole stage {s['stage']:.2f}x, passes {s['passes']:.2f}x "
               f"(each window: {', '.join(f'{x:.2f}' for x in s['passes_each_window'])})")
     fixed = big["fixed_s"]
-    print(f"300 GB projection (passes at {per_machine:.2f} MB/s per 2-core machine, measured at {big['scale']}x; "
-          f"{eff:.2f}x per doubling of workers carried to every machine; plus the fits, a fixed {fixed:.0f} s at a "
-          f"full fit sample; inputs read as fast as here, the driver's merge and dedup not counted): "
-          + ", ".join(f"{m} machines {h + fixed / 3600:.1f} h" for m, h in hours.items()))
+    if not hours:
+        print("no 300 GB projection: it needs the 1 -> 2 worker speed-up, measured at 1x (add 1 to --scales)")
+    else:
+        print(f"300 GB projection (passes at {per_machine:.2f} MB/s per 2-core machine, measured at {big['scale']}x; "
+              f"{eff:.2f}x per doubling of workers carried to every machine; plus the fits, a fixed {fixed:.0f} s at a "
+              f"full fit sample; inputs read as fast as here, the driver's merge and dedup not counted): "
+              + ", ".join(f"{m} machines {h + fixed / 3600:.1f} h" for m, h in hours.items()))
     if dedup:
         print(f"global dedup of {dedup['docs']:,} digests ({dedup['duplicates']:,} duplicates) in one task: "
               f"{dedup['wall_s']:.1f} s, {dedup['task_mb_per_million']:.0f} MB per million documents in the task; "
@@ -325,7 +329,7 @@ def report(rows: list[dict], encode: dict, dedup: dict | None, args) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"grid": args.grid, "dedup_memory": dedup, "cores": os.cpu_count(), "load_average": os.getloadavg(),
                                "block_mb": args.block_mb, "encode_batch_mb_s": encode, "speedup_1_to_2": speedup,
-                               "projection_hours_300gb": {m: h + fixed / 3600 for m, h in hours.items()},
+                               "projection_hours_300gb": {m: h + fixed / 3600 for m, h in hours.items()} or None,
                                "goals": {"pass_vs_encode": 0.9, "stage_vs_encode_4x": 0.8, "speedup_1_to_2": 1.7},
                                "results": rows}, indent=1))
     print(f"wrote {out}")
