@@ -37,7 +37,7 @@ class BaseRouter:
         return self.text_distances(self.input.texts_of_ids(ids))
 
     def distances(self, texts: list[str]) -> np.ndarray:
-        return self.distances_of_ids(self.input.encode(_check_texts(texts)))
+        return self.distances_of_ids(self.input.first_ids(_check_texts(texts)))
 
     @property
     def paths(self) -> list[str]:
@@ -50,7 +50,7 @@ class BaseRouter:
 
     def route(self, texts: list[str]) -> list[str]:
         """Path id of every text (by its first ``input.tokens`` tokens, decoded)."""
-        return self.route_ids(self.input.encode(_check_texts(texts)))
+        return self.route_ids(self.input.first_ids(_check_texts(texts)))
 
     def route_topk_ids(self, ids, k: int) -> list[list[tuple[str, float]]]:
         """The k nearest paths of every token sequence with their distances (lower = nearer), nearest first."""
@@ -61,7 +61,7 @@ class BaseRouter:
         return [[(paths[j], float(d[i, j])) for j in row] for i, row in enumerate(order.tolist())]
 
     def route_topk(self, texts: list[str], k: int) -> list[list[tuple[str, float]]]:
-        return self.route_topk_ids(self.input.encode(_check_texts(texts)), k)
+        return self.route_topk_ids(self.input.first_ids(_check_texts(texts)), k)
 
     def assign(self, texts: list[str], balance: float = 0.0, overlap: int = 1) -> list[str] | list[list[str]]:
         """In-memory assignment: nearest path, or with ``balance`` F > 0 no path above F x the mean share

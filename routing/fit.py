@@ -16,6 +16,7 @@ differs is how its paths are defined:
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
@@ -57,10 +58,12 @@ def _kmeans_args(r: RoutingConfig, seed: int) -> dict:
 
 
 def fit_router(texts: list[str], grid: str, tokenizer, seed: int = 0, progress: bool = False,
-               cfg: RoutingConfig | None = None, target: np.ndarray | None = None, **overrides) -> BaseRouter:
+               cfg: RoutingConfig | None = None, target: np.ndarray | Callable[[], np.ndarray] | None = None,
+               **overrides) -> BaseRouter:
     """Fit a router on ``texts`` (a sample of whole documents): ``cfg`` fields, or keyword overrides of
     them (``fit_router(texts, "2x2", tok, svd_dims=16)``). ``target``: ``document_target`` of the same
-    texts and settings, when already computed."""
+    texts and settings, or a function that returns it, called only once the prefix features are fitted (the
+    shard stage computes the target on another thread meanwhile)."""
     r = routing_config(cfg, **overrides)
     shape = parse_grid(grid)
     texts = _check_texts(texts)
@@ -75,7 +78,7 @@ def fit_router(texts: list[str], grid: str, tokenizer, seed: int = 0, progress: 
     if r.cluster_on == "prefix":
         return Router.fit_features(feats, x, shape, prefix, **_kmeans_args(r, seed))
     # Paths defined on whole-document features, learned from the prefix.
-    labels = document_target(texts, grid, seed, r) if target is None else target
+    labels = document_target(texts, grid, seed, r) if target is None else target() if callable(target) else target
     if len(labels) != len(texts):
         raise ValueError(f"fit_router: a target of {len(labels)} labels for {len(texts)} texts")
     shares = np.bincount(labels, minlength=int(np.prod(shape))).astype(np.float64) + 1.0

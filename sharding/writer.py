@@ -122,7 +122,8 @@ def fit_step(work: Path, scanned: dict, cfg: ShardConfig, tokenizer_dir: str | N
         began = time.perf_counter()
         tmp = temp_dir(final)
         # The router's document target needs no tokenizer: it is computed on one thread while the
-        # tokenizer trains on the others. That thread pins its own threads too (OpenMP's count is per
+        # tokenizer trains on the others and the router's prefix features are fitted; the router waits for
+        # it only to fit its classifier. That thread pins its own threads too (OpenMP's count is per
         # calling thread), so the bits are those of the sequential fit.
         with decision_threads(), ThreadPoolExecutor(1) as beside:
             target = beside.submit(in_decision_threads, document_target, scanned["sample"], cfg.grid, cfg.seed,
@@ -132,7 +133,7 @@ def fit_step(work: Path, scanned: dict, cfg: ShardConfig, tokenizer_dir: str | N
             tok.save_pretrained(str(tmp / "tokenizer"))
             t_tok = time.perf_counter() - began
             router = fit_router(scanned["sample"], cfg.grid, tok, cfg.seed, progress, cfg=cfg.routing,
-                                target=target.result())
+                                target=target.result)
         router.save(tmp / "router")
         vocab_size = len(tok)
         meta = {"fingerprint": fingerprint, "vocab_size": vocab_size, "eos": tok.eos_token_id, "paths": router.paths,
