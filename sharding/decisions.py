@@ -51,10 +51,11 @@ class BottomK:
     unless ``distinct`` is False (the corpus keeps duplicates: each copy is a document). Amortised: items
     under the current k-th key are appended and the list is cut back to k when it doubles."""
 
-    def __init__(self, k: int, distinct: bool = True):
+    def __init__(self, k: int, distinct: bool = True, limit: int | None = None):
         self.k, self.distinct = int(k), distinct
         self.items: list[tuple[int, object]] = []
-        self.limit: int | None = None  # the k-th smallest key once k are known: larger keys cannot enter
+        # the k-th smallest key once k are known (or a bound known from elsewhere): larger keys cannot enter
+        self.limit: int | None = limit
 
     def offer(self, key: int, payload: object = None) -> None:
         if self.k <= 0 or (self.limit is not None and key > self.limit):

@@ -16,7 +16,7 @@ import importlib
 import multiprocessing
 import os
 import threading
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 
 from tqdm.auto import tqdm
@@ -42,7 +42,8 @@ def _init_worker(env: dict[str, str]) -> None:
 
 
 class Engine:
-    """Runs ``fn(*args)`` for every tuple of arguments; ``run`` returns the results in the given order."""
+    """Runs ``fn(*args)`` for every tuple of arguments; ``run`` returns the results in the given order and
+    calls ``on_result(i, result)`` in this process as each task finishes (in any order)."""
 
     kind, workers = "local", 1
 
@@ -52,11 +53,13 @@ class Engine:
     def _bar(self, total: int, desc: str):
         return tqdm(total=total, desc=desc, unit="block", disable=not self.progress or total < 2, dynamic_ncols=True)
 
-    def run(self, fn, arglist: list[tuple], desc: str = "") -> list:
+    def run(self, fn, arglist: list[tuple], desc: str = "", on_result=None) -> list:
         out = []
         with self._bar(len(arglist), desc) as bar:
-            for args in arglist:
+            for i, args in enumerate(arglist):
                 out.append(fn(*args))
+                if on_result is not None:
+                    on_result(i, out[-1])
                 bar.update(1)
         return out
 
@@ -76,14 +79,16 @@ class LocalPool(Engine):
         self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                         initializer=_init_worker, initargs=(worker_env(),))
 
-    def run(self, fn, arglist: list[tuple], desc: str = "") -> list:
+    def run(self, fn, arglist: list[tuple], desc: str = "", on_result=None) -> list:
         futures = [self.pool.submit(fn, *args) for args in arglist]
-        out = []
+        index = {f: i for i, f in enumerate(futures)}
         try:
             with self._bar(len(futures), desc) as bar:
-                for f in futures:  # in order: the bar moves at the pace of the slowest prefix, the results stay ordered
-                    out.append(f.result())
+                for f in as_completed(futures):
+                    if on_result is not None:
+                        on_result(index[f], f.result())
                     bar.update(1)
+            out = [f.result() for f in futures]
         except BrokenProcessPool:
             raise DipacoError("a shard worker process died (out of memory, or killed); committed blocks are kept: "
                               "rerun the same command with --resume") from None
@@ -108,9 +113,14 @@ class RayEngine(Engine):
         self.tasks = RayTasks(address, cpus, max_retries, worker_env(), PRELOAD)
         self.workers = self.tasks.cpus
 
-    def run(self, fn, arglist: list[tuple], desc: str = "") -> list:
+    def run(self, fn, arglist: list[tuple], desc: str = "", on_result=None) -> list:
+        def done(i, result):
+            if on_result is not None:
+                on_result(i, result)
+            bar.update(1)
+
         with self._bar(len(arglist), desc) as bar:
-            return self.tasks.run(fn, arglist, on_done=lambda: bar.update(1))
+            return self.tasks.run(fn, arglist, on_done=done)
 
     def close(self) -> None:
         self.tasks.close()

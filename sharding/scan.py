@@ -7,7 +7,14 @@ A block's scan part (``WORK/scan/<block>/``, committed by renaming a finished te
   where.npy     each digest's position among the block's kept documents (uint32)
   cands.npy     each document's candidate role (``decisions.Roles.candidate``)
   sample.json   the block's bottom-k of the fit sample (keys and texts) and of the held-out / router keys
+  sample_keys.npy  the fit sample's keys alone (two uint64 halves each), for the driver's running bound
   meta.json     fingerprint, drop counts, documents kept, peak RSS
+
+A block keeps a sample text only if its key is at most the *sample bound*: the k-th smallest sample key among
+the blocks finished so far (``SampleBound``, kept by the driver in ``WORK/sample_bound``). The final sample's
+k-th key can only be smaller, so no text of the final sample is lost and the bytes are those of an unbounded
+scan; but the scan writes about k (1 + ln(n / k)) texts for n training documents instead of up to k per block
+(at scale, the first 4 KB of every document: most of the corpus written again).
 
 Exact dedup is global and exact: a document is a duplicate when an equal digest comes earlier in the global
 order (an earlier block, or earlier in its block), so the first copy wins whatever the split. The check runs
@@ -66,6 +73,38 @@ def read_meta(part: Path) -> dict | None:
         return None
 
 
+def _key_halves(keys: list[int]) -> np.ndarray:
+    return np.array([(k >> 64, k & 0xFFFFFFFFFFFFFFFF) for k in keys], dtype=np.uint64).reshape(-1, 2)
+
+
+class SampleBound:
+    """The driver's running bottom-k of the sample keys of finished blocks; its k-th key, once k are known, is
+    written (atomically, as hex) to ``WORK/sample_bound`` for the blocks that start later."""
+
+    def __init__(self, work: str, k: int, distinct: bool):
+        self.path = Path(work) / "sample_bound"
+        self.path.unlink(missing_ok=True)  # a bound is only valid for this command's blocks
+        self.keys, self.written = BottomK(k, distinct), None
+
+    def add(self, name: str) -> None:
+        halves = np.load(self.path.parent / "scan" / name / "sample_keys.npy")
+        for hi, lo in halves.tolist():
+            self.keys.offer((hi << 64) | lo)
+        bound = self.keys.threshold()
+        if bound is not None and bound >= 0 and bound != self.written:
+            tmp = self.path.with_name(f".sample_bound.tmp-{os.getpid()}")
+            tmp.write_text(f"{bound:032x}")
+            os.replace(tmp, self.path)
+            self.written = bound
+
+
+def read_sample_bound(work: str) -> int | None:
+    try:
+        return int((Path(work) / "sample_bound").read_text(), 16)
+    except (OSError, ValueError):
+        return None
+
+
 def scan_block(block: Block, cfg: ShardConfig, work: str, fingerprint: str) -> dict:
     """Scan one block into ``work/scan/<block>``; returns its meta (an existing committed part is kept)."""
     final = Path(work) / "scan" / block.name
@@ -75,7 +114,7 @@ def scan_block(block: Block, cfg: ShardConfig, work: str, fingerprint: str) -> d
     filt = DocumentFilter(d.min_chars, d.max_chars, dedup=False)
     rule = Roles(d.heldout_fraction, d.router_fraction, d.val_fraction)
     aside = {HELDOUT: BottomK(d.max_heldout_docs, d.dedup), ROUTER: BottomK(d.max_router_docs, d.dedup)}
-    sample = BottomK(cfg.routing.fit_sample, d.dedup)
+    sample = BottomK(cfg.routing.fit_sample, d.dedup, limit=read_sample_bound(work))
     found, cands, read = [], [], {"invalid_utf8": 0}
     for text, _ in block_rows(block, cfg, read):
         text = filt(text)
@@ -98,10 +137,12 @@ def scan_block(block: Block, cfg: ShardConfig, work: str, fingerprint: str) -> d
     np.save(tmp / "where.npy", order.astype(np.uint32))
     np.save(tmp / "cands.npy", np.asarray(cands, dtype=np.uint8)[order])
     np.save(tmp / "bounds.npy", np.searchsorted(bucket[order], np.arange(BUCKETS + 1)).astype(np.int64))
+    sampled = sample.result()
+    np.save(tmp / "sample_keys.npy", _key_halves([k for k, _ in sampled]))
     with open(tmp / "sample.json", "w", encoding="utf-8") as f:  # 128-bit keys as hex
-        json.dump({"sample": [[f"{k:032x}", text] for k, text in sample.result()],
+        json.dump({"sample": [[f"{k:032x}", text] for k, text in sampled],
                    **{str(r): [f"{k:032x}" for k, _ in aside[r].result()] for r in (HELDOUT, ROUTER)}}, f, ensure_ascii=False)
-    meta = {"fingerprint": fingerprint, "block": block.describe(), "kept": len(found),
+    meta = {"fingerprint": fingerprint, "block": block.describe(), "kept": len(found), "sample_texts": len(sampled),
             "dropped": filt.report(), "invalid_utf8": read["invalid_utf8"], "peak_rss_mb": peak_rss_mb()}
     (tmp / "meta.json").write_text(json.dumps(meta))
     commit(tmp, final)

@@ -46,7 +46,7 @@ from dipaco.routing.fit import document_target, fit_router
 from dipaco.sharding.engines import make_engine
 from dipaco.sharding.parts import Fits, part_block
 from dipaco.sharding.plan import make_plan, settings_key
-from dipaco.sharding.scan import commit, join, peak_rss_mb, read_meta, scan_block, temp_dir
+from dipaco.sharding.scan import SampleBound, commit, join, peak_rss_mb, read_meta, scan_block, temp_dir
 from dipaco.sharding.sources import describe_inputs
 from dipaco.sharding.threads import decision_threads, in_decision_threads, set_num_proc
 from dipaco.sharding.tokenizer import load_tokenizer, tokenizer_sha256, train_tokenizer
@@ -165,7 +165,9 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
     try:
         reused = check_committed(work, "scan", fps) if resume else 0
         runner = make_engine(engine, cfg.num_proc, address, len(blocks), max_retries, progress)
-        metas = runner.run(scan_block, [(b, cfg, str(work), fps[b.name]) for b in blocks], "scan")
+        bound = SampleBound(str(work), cfg.routing.fit_sample, cfg.data.dedup)
+        metas = runner.run(scan_block, [(b, cfg, str(work), fps[b.name]) for b in blocks], "scan",
+                           on_result=lambda i, meta: bound.add(blocks[i].name))
         scanned = join(str(work), blocks, metas, cfg, runner.run)
         counts = scanned["counts"]
         if counts["documents"] == 0:
@@ -183,7 +185,8 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
         parts = runner.run(part_block, [(b, cfg, str(work), fits, part_fps[b.name], scanned["dups"].get(b.name, []))
                                         for b in blocks], "tokenize+route+write")
         t_write = time.perf_counter() - began
-        execution = {**runner.describe(), "blocks": len(blocks), "reused_parts": reused, "peak_rss_mb": {
+        execution = {**runner.describe(), "blocks": len(blocks), "reused_parts": reused,
+                     "scan_sample_texts": sum(m.get("sample_texts", 0) for m in metas), "peak_rss_mb": {
             "driver": peak_rss_mb(), "scan_worker": max(m["peak_rss_mb"] for m in metas),
             "dedup_worker": scanned["dedup_peak_rss_mb"], "write_worker": max(m["peak_rss_mb"] for m in parts)}}
         skipped_files: list[Path] = []  # one walk of the input directories gives both

@@ -25,7 +25,7 @@ from conftest import shard_config
 pytestmark = pytest.mark.slow
 
 SETS = ["tokenizer.vocab_size=512", "routing.balance=1.2", "routing.svd_dims=16", "routing.overlap=2",
-        "data.block_bytes=30000", "routing.kmeans_restarts=2"]
+        "data.block_bytes=30000", "routing.kmeans_restarts=2", "routing.fit_sample=60"]  # a sample of 60 of ~180
 IGNORED = ("created", "seconds", "timing", "threads", "execution")  # how long, on how many threads and workers
 
 
@@ -98,6 +98,18 @@ def wait_for(f: Path, proc: subprocess.Popen, timeout: float = 120) -> int:
         assert time.time() < deadline, f"{f} never appeared"
         time.sleep(0.2)
     return int(f.read_text())
+
+
+def test_the_sample_bound_drops_texts_but_no_bytes(corpus, reference, tmp_path, monkeypatch):
+    """Blocks scanned after the running sample bound exists keep fewer texts; without the bound, the same shards."""
+    from dipaco.sharding import scan
+    from dipaco.sharding.writer import shard
+
+    bounded = json.loads((reference / "manifest.json").read_text())["execution"]["scan_sample_texts"]
+    monkeypatch.setattr(scan, "read_sample_bound", lambda work: None)
+    m = shard([str(corpus)], shard_config("2x2", *SETS, "num_proc=1"), tmp_path / "s", progress=False)
+    assert m["execution"]["scan_sample_texts"] > bounded + 30, (m["execution"]["scan_sample_texts"], bounded)
+    assert digests(tmp_path / "s") == digests(reference)
 
 
 def test_two_local_processes_write_the_same_bytes(corpus, reference, tmp_path):

@@ -40,7 +40,7 @@ class RayTasks:
         self.remote = ray.remote(num_cpus=1, max_retries=max_retries, retry_exceptions=False)(_call)
         self.preload = tuple(preload)
 
-    def run(self, fn, arglist: list[tuple], on_done: Callable[[], None] = lambda: None) -> list:
+    def run(self, fn, arglist: list[tuple], on_done: Callable[[int, object], None] = lambda i, result: None) -> list:
         refs = [self.remote.remote(self.preload, fn, *args) for args in arglist]
         index = {ref: i for i, ref in enumerate(refs)}
         out: list = [None] * len(refs)
@@ -54,7 +54,7 @@ class RayTasks:
                     except RayTaskError as exc:  # the task's own exception, as itself (a DipacoError stays one line)
                         cause = getattr(exc, "cause", None)
                         raise (cause if isinstance(cause, Exception) else exc) from None
-                    on_done()
+                    on_done(index[ref], out[index[ref]])
         finally:
             for ref in waiting:
                 ray.cancel(ref, force=True)
