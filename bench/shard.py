@@ -3,7 +3,8 @@
     python bench/shard.py [--corpus DIR] [--grid 5] [--scales 1 4 16] [--repeats 3] [--out bench/shard_results.json]
 
 Measures, each run a fresh process (its peak RSS its own; a worker's is read from the manifest), in ``--repeats``
-windows (each: every run once, then ``encode_batch``; the table gives medians, the JSON every window):
+windows (each: every run once, each bracketed by ``encode_batch`` right before and after it; the table gives
+medians, the JSON every window):
 
 - MB/s of text (the ``text`` field, UTF-8) for the whole stage and for its per-document pass (pass 2: tokenize,
   route, write), against the tokenizer's own ``encode_batch`` on the same text and the same number of cores
@@ -185,7 +186,7 @@ def main() -> int:
                     help="corpus sizes to run (none: only the dedup memory figure, added to an existing --out)")
     ap.add_argument("--engines", nargs="+", default=["local", "ray"], choices=["local", "ray"])
     ap.add_argument("--block-mb", type=float, default=8.0, help="data.block_bytes of the runs, in MB")
-    ap.add_argument("--repeats", type=int, default=3, help="windows: every run once, then encode_batch (medians reported)")
+    ap.add_argument("--repeats", type=int, default=3, help="windows: every run once, each between two encode_batch (medians reported)")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="shard config override")
     ap.add_argument("--out", default=str(ROOT / "bench" / "shard_results.json"))
     ap.add_argument("--dedup-docs", type=int, default=2_000_000, help="synthetic digests for the dedup memory figure")
@@ -207,36 +208,47 @@ def main() -> int:
             data = repeat_corpus(files, scale, tmp / f"x{scale}")
             docs, mb = corpus_stats(data)
             # 1x: every engine at 1 and 2 workers (the speed-ups); larger: two local processes (throughput, memory)
-            runs = [(e, w) for e in args.engines for w in (1, 2)] if scale == 1 else [("local", 2)]
+            runs = [(e, w) for w in (1, 2) for e in args.engines] if scale == 1 else [("local", 2)]
             reps: dict[tuple, list[dict]] = {run: [] for run in runs}
             tokenizer = tmp / f"tokenizer-x{scale}"
+            # every run is bracketed by encode_batch on the same text and worker count, right before and right after
+            # it; its ratios are against the mean of the two (this machine's speed drifts by tens of percent within
+            # minutes), and after / before is kept as the drift. An encode right after a run is the next run's
+            # "before" when nothing ran in between.
+            fresh: dict[int, float] = {}  # worker count -> encode_batch MB/s measured since the last run
+
+            def measure(n: int) -> float:
+                e = run_child("encode", {"data": [str(f) for f in data], "tokenizer": str(tokenizer), "workers": n})
+                encode.setdefault(scale, {}).setdefault(n, []).append(e["mb"] / e["wall_s"])
+                return e["mb"] / e["wall_s"]
+
+            def shard_run(engine: str, workers: int) -> dict:
+                out = tmp / f"shards-x{scale}-{engine}{workers}"
+                r = run_child("shard", {"data": [str(f) for f in data], "out": str(out), "grid": args.grid,
+                                        "extra": args.extra, "engine": engine, "workers": workers,
+                                        "block_bytes": int(args.block_mb * 1e6)})
+                if not tokenizer.exists():  # the same tokenizer every run (fitted on the same sample)
+                    shutil.copytree(out / "tokenizer", tokenizer)
+                shutil.rmtree(out, ignore_errors=True)
+                return r
+
+            shard_run("local", 2)  # a warm-up, not counted: the tokenizer for encode_batch, the file cache warm
             for rep in range(args.repeats):
-                # a window: every run once, then encode_batch on the same text at each worker count; a run's ratios
-                # are against its own window's encode_batch (this machine's speed drifts by tens of percent)
-                window = {}
                 for engine, workers in runs:
-                    out = tmp / f"shards-x{scale}-{engine}{workers}"
-                    spec = {"data": [str(f) for f in data], "out": str(out), "grid": args.grid, "extra": args.extra,
-                            "engine": engine, "workers": workers, "block_bytes": int(args.block_mb * 1e6)}
-                    window[(engine, workers)] = run_child("shard", spec)
-                    if not tokenizer.exists():  # the same tokenizer every run (fitted on the same sample)
-                        shutil.copytree(out / "tokenizer", tokenizer)
-                    shutil.rmtree(out, ignore_errors=True)
-                speed = {}
-                for n in sorted({w for _, w in runs}):
-                    e = run_child("encode", {"data": [str(f) for f in data], "tokenizer": str(tokenizer), "workers": n})
-                    speed[n] = e["mb"] / e["wall_s"]
-                    encode.setdefault(scale, {}).setdefault(n, []).append(speed[n])
-                for (engine, workers), r in window.items():
+                    before = fresh.get(workers) or measure(workers)
+                    r = shard_run(engine, workers)
+                    after = measure(workers)
+                    fresh = {workers: after}
+                    speed = (before + after) / 2
                     t = r["timing"]
-                    r.update(rep=rep, stage_mb_s=mb / r["wall_s"], pass_mb_s=mb / t["write"], encode_mb_s=speed[workers],
-                             fixed_s=t["tokenizer"] + t["router"])
-                    r["stage_vs_encode"] = r["stage_mb_s"] / speed[workers]
-                    r["pass_vs_encode"] = r["pass_mb_s"] / speed[workers]
+                    r.update(rep=rep, stage_mb_s=mb / r["wall_s"], pass_mb_s=mb / t["write"], encode_mb_s=speed,
+                             encode_before_after=[before, after], drift=after / before, fixed_s=t["tokenizer"] + t["router"])
+                    r["stage_vs_encode"] = r["stage_mb_s"] / speed
+                    r["pass_vs_encode"] = r["pass_mb_s"] / speed
                     reps[(engine, workers)].append(r)
                     print(f"{scale}x {engine} {workers} (window {rep + 1}/{args.repeats}): {r['wall_s']:.1f} s, stage "
-                          f"{r['stage_mb_s']:.2f} MB/s, pass {r['pass_mb_s']:.2f} MB/s, encode {speed[workers]:.2f} MB/s: "
-                          f"{r['stage_vs_encode']:.2f}x / {r['pass_vs_encode']:.2f}x", flush=True)
+                          f"{r['stage_mb_s']:.2f} MB/s, pass {r['pass_mb_s']:.2f} MB/s, encode {before:.2f} before, "
+                          f"{after:.2f} after: {r['stage_vs_encode']:.2f}x / {r['pass_vs_encode']:.2f}x", flush=True)
             for (engine, workers), rs in reps.items():
                 rows.append(summarise(rs, scale=scale, engine=engine, workers=workers, input_documents=docs, input_mb=mb))
             shutil.rmtree(tmp / f"x{scale}", ignore_errors=True)
@@ -297,8 +309,10 @@ def report(rows: list[dict], encode: dict, dedup: dict | None, args) -> None:
     hours = projection(per_machine, eff) if eff else {}
     print(f"\nshard benchmark: grid {args.grid}, tf-idf features, blocks of {args.block_mb} MB, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f} at the end (the machine is shared: other work inflates wall time)")
-    print(f"medians over {args.repeats} windows (each: every run once, then encode_batch; a run's ratios are against its "
-          f"own window's encode_batch), the ratios' range in brackets")
+    drifts = [x["drift"] for r in rows for x in r["repeats"]]
+    print(f"medians over {args.repeats} windows (each: every run once; a run's ratios are against the mean of encode_batch "
+          f"right before and right after it, whose ratio after / before ranged {min(drifts):.2f}-{max(drifts):.2f}), "
+          f"the ratios' range in brackets")
     print("| corpus | engine | workers | MB | wall s | stage MB/s | pass MB/s | encode_batch MB/s | stage / encode | "
           "pass / encode | scan/tok/router/write s | peak RSS MB: driver / worker max |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
