@@ -116,15 +116,38 @@ def train_ray(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, res
                               progress, device)
             stats = queue.run()
         finally:
-            ray.shutdown()
+            try:
+                ray.shutdown()
+            finally:
+                _restore_stderr()
             if storage.remote:  # the driver's local view of a run in a bucket
                 shutil.rmtree(local, ignore_errors=True)
     return {"run": location, "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(plan.trainees),
             "workers": cpus, "engine": "ray", "device": device, **stats}
 
 
+_stderr_while_interrupted: int | None = None  # the real stderr, set aside from SIGTERM until Ray has shut down
+
+
 def _interrupt(signum, frame):
+    # While an interrupted run shuts down, Ray's native threads may log lines of their own to stderr (the error of
+    # a cancelled task that can no longer reach the driver): the user asked to stop and gets one dipaco line
+    global _stderr_while_interrupted
+    if _stderr_while_interrupted is None:
+        sys.stderr.flush()
+        _stderr_while_interrupted = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
     raise KeyboardInterrupt
+
+
+def _restore_stderr() -> None:
+    global _stderr_while_interrupted
+    if _stderr_while_interrupted is not None:
+        os.dup2(_stderr_while_interrupted, 2)
+        os.close(_stderr_while_interrupted)
+        _stderr_while_interrupted = None
 
 
 def _say(line: str) -> None:
