@@ -131,9 +131,10 @@ _stderr_while_interrupted: int | None = None  # the real stderr, set aside from 
 
 def _interrupt(signum, frame):
     # While an interrupted run shuts down, Ray's native threads may log lines of their own to stderr (the error of
-    # a cancelled task that can no longer reach the driver): the user asked to stop and gets one dipaco line
+    # a cancelled task that can no longer reach the driver): the user asked to stop and gets one dipaco line. Only
+    # while Ray runs: a signal after its shutdown has nobody to restore stderr and must not hide that line.
     global _stderr_while_interrupted
-    if _stderr_while_interrupted is None:
+    if _stderr_while_interrupted is None and ray.is_initialized():
         sys.stderr.flush()
         _stderr_while_interrupted = os.dup(2)
         devnull = os.open(os.devnull, os.O_WRONLY)
