@@ -186,10 +186,14 @@ def test_a_node_removed_and_another_added_mid_run(shards_2x2, cluster, tmp_path,
 def test_a_driver_killed_mid_run_resumes_with_the_same_bits(shards_2x2, cluster, tmp_path, tmp_path_factory):
     out = tmp_path / "ray"
     proc = start_driver(shards_2x2, out, cluster, env={"DIPACO_TEST_DELAY": "2:1:60"})
-    wait_for(lambda: (out / "checkpoints" / "round_1").is_dir() and first_attempt(out, 1, "trainee_2"), "round 2 to start")
+    # round 1 committed: its directory is renamed into place before `latest` moves, and round 2's phases need only
+    # round 1's modules, so waiting for the directory alone could kill the driver between the two
+    latest = out / "checkpoints" / "latest"
+    wait_for(lambda: latest.is_file() and latest.read_text().strip() == "round_1" and first_attempt(out, 1, "trainee_2"),
+             "round 1 committed and round 2 started")
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
-    assert (out / "checkpoints" / "latest").read_text().strip() == "round_1"
+    assert (out / "checkpoints" / "round_1").is_dir() and latest.read_text().strip() == "round_1"
     finish(start_driver(shards_2x2, out, cluster, resume=True))  # the delay hook only slows a first attempt
     assert_same_weights(reference(shards_2x2, tmp_path_factory), out)
     assert [r["round"] for r in rounds(out)] == [1, 2, 3]  # no round logged twice
