@@ -43,7 +43,9 @@ def _init_worker(env: dict[str, str]) -> None:
 
 class Engine:
     """Runs ``fn(*args)`` for every tuple of arguments; ``run`` returns the results in the given order and
-    calls ``on_result(i, result)`` in this process as each task finishes (in any order)."""
+    calls ``on_result(i, result)`` in this process as each task finishes (in any order). ``order``: the
+    indices in the order to start the tasks (a pool's workers take them first come, first served; one
+    process runs them as given)."""
 
     kind, workers = "local", 1
 
@@ -53,7 +55,7 @@ class Engine:
     def _bar(self, total: int, desc: str):
         return tqdm(total=total, desc=desc, unit="block", disable=not self.progress or total < 2, dynamic_ncols=True)
 
-    def run(self, fn, arglist: list[tuple], desc: str = "", on_result=None) -> list:
+    def run(self, fn, arglist: list[tuple], desc: str = "", on_result=None, order=None) -> list:
         out = []
         with self._bar(len(arglist), desc) as bar:
             for i, args in enumerate(arglist):
@@ -79,8 +81,10 @@ class LocalPool(Engine):
         self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                         initializer=_init_worker, initargs=(worker_env(),))
 
-    def run(self, fn, arglist: list[tuple], desc: str = "", on_result=None) -> list:
-        futures = [self.pool.submit(fn, *args) for args in arglist]
+    def run(self, fn, arglist: list[tuple], desc: str = "", on_result=None, order=None) -> list:
+        futures: list = [None] * len(arglist)
+        for i in range(len(arglist)) if order is None else order:
+            futures[i] = self.pool.submit(fn, *arglist[i])
         index = {f: i for i, f in enumerate(futures)}
         try:
             with self._bar(len(futures), desc) as bar:
@@ -113,14 +117,14 @@ class RayEngine(Engine):
         self.tasks = RayTasks(address, cpus, max_retries, worker_env(), PRELOAD)
         self.workers = self.tasks.cpus
 
-    def run(self, fn, arglist: list[tuple], desc: str = "", on_result=None) -> list:
+    def run(self, fn, arglist: list[tuple], desc: str = "", on_result=None, order=None) -> list:
         def done(i, result):
             if on_result is not None:
                 on_result(i, result)
             bar.update(1)
 
         with self._bar(len(arglist), desc) as bar:
-            return self.tasks.run(fn, arglist, on_done=done)
+            return self.tasks.run(fn, arglist, on_done=done, order=order)
 
     def close(self) -> None:
         self.tasks.close()

@@ -51,8 +51,8 @@ def decision_threads(with_torch: bool = True):
             torch.set_num_threads(before_torch)
 
 
-def in_decision_threads(fn, *args):
-    """``fn(*args)`` inside ``decision_threads()``: for a thread started from within that block, since
+def in_decision_threads(fn, *args, with_torch: bool = True):
+    """``fn(*args)`` inside ``decision_threads(with_torch)``: for a thread started from within that block, since
     OpenMP's thread count (faiss) belongs to the calling thread and a new thread does not inherit it."""
-    with decision_threads():
+    with decision_threads(with_torch):
         return fn(*args)

@@ -26,8 +26,9 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,7 @@ from dipaco.routing import Router
 from dipaco.routing.fit import document_target, fit_router
 from dipaco.sharding.engines import make_engine
 from dipaco.sharding.parts import Fits, part_block
-from dipaco.sharding.plan import make_plan, settings_key
+from dipaco.sharding.plan import largest_first, make_plan, settings_key
 from dipaco.sharding.scan import SampleBound, commit, join, peak_rss_mb, read_meta, scan_block, temp_dir
 from dipaco.sharding.sources import describe_inputs
 from dipaco.sharding.threads import decision_threads, in_decision_threads, set_num_proc
@@ -110,6 +111,21 @@ def tokenizer_texts(sample: list[str], limit_chars: int) -> list[str]:
     return out
 
 
+def in_background(fn, *args) -> Future:
+    """``fn(*args)`` on a daemon thread (a failed stage exits without waiting for it); its result or exception
+    comes with ``.result()``."""
+    future: Future = Future()
+
+    def call():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=call, daemon=True).start()
+    return future
+
+
 def fit_step(work: Path, scanned: dict, cfg: ShardConfig, tokenizer_dir: str | None, fingerprint: str,
              progress: bool) -> tuple[Fits, dict]:
     """The tokenizer and the router, fitted once on the sample and committed to ``work/fits`` (reused on resume)."""
@@ -124,10 +140,12 @@ def fit_step(work: Path, scanned: dict, cfg: ShardConfig, tokenizer_dir: str | N
         # The router's document target needs no tokenizer: it is computed on one thread while the
         # tokenizer trains on the others and the router's prefix features are fitted; the router waits for
         # it only to fit its classifier. That thread pins its own threads too (OpenMP's count is per
-        # calling thread), so the bits are those of the sequential fit.
-        with decision_threads(), ThreadPoolExecutor(1) as beside:
+        # calling thread), so the bits are those of the sequential fit. torch is imported (a second, on an
+        # otherwise idle core) only for a model's features; tf-idf and the target never compute with it.
+        with_torch = cfg.routing.features != "tfidf"
+        with decision_threads(with_torch), ThreadPoolExecutor(1) as beside:
             target = beside.submit(in_decision_threads, document_target, scanned["sample"], cfg.grid, cfg.seed,
-                                   cfg.routing)
+                                   cfg.routing, with_torch=False)
             tok = load_tokenizer(tokenizer_dir) if tokenizer_dir else train_tokenizer(
                 tokenizer_texts(scanned["sample"], cfg.tokenizer.train_chars), cfg.tokenizer.vocab_size)
             tok.save_pretrained(str(tmp / "tokenizer"))
@@ -166,8 +184,9 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
         reused = check_committed(work, "scan", fps) if resume else 0
         runner = make_engine(engine, cfg.num_proc, address, len(blocks), max_retries, progress)
         bound = SampleBound(str(work), cfg.routing.fit_sample, cfg.data.dedup)
+        order = largest_first(blocks)
         metas = runner.run(scan_block, [(b, cfg, str(work), fps[b.name]) for b in blocks], "scan",
-                           on_result=lambda i, meta: bound.add(blocks[i].name))
+                           on_result=lambda i, meta: bound.add(blocks[i].name), order=order)
         scanned = join(str(work), blocks, metas, cfg, runner.run)
         counts = scanned["counts"]
         if counts["documents"] == 0:
@@ -176,6 +195,9 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
         if counts["train"] < num_paths:
             raise DipacoError(f"{counts['train']} training documents cannot fill {num_paths} paths; add data or use a smaller --grid")
         t_scan = time.perf_counter() - began
+        # the manifest's hashes of the inputs: read beside the fits, which leave a core idle at times
+        skipped_files: list[Path] = []  # one walk of the input directories gives both
+        input_info = in_background(describe_inputs, list(inputs), cfg.data.split, skipped_files)
         fits, fitted = fit_step(work, scanned, cfg, tokenizer_dir, _sha(settings, sorted(fps.values())), progress)
         del scanned["sample"]
         t_fit = time.perf_counter() - began
@@ -183,16 +205,14 @@ def shard(inputs: list[str], cfg: ShardConfig, out: str | Path, tokenizer_dir: s
         part_fps = {name: _sha(fp, sums) for name, fp in fps.items()}
         reused += check_committed(work, "parts", part_fps) if resume else 0
         parts = runner.run(part_block, [(b, cfg, str(work), fits, part_fps[b.name], scanned["dups"].get(b.name, []))
-                                        for b in blocks], "tokenize+route+write")
+                                        for b in blocks], "tokenize+route+write", order=order)
         t_write = time.perf_counter() - began
         execution = {**runner.describe(), "blocks": len(blocks), "reused_parts": reused,
                      "scan_sample_texts": sum(m.get("sample_texts", 0) for m in metas), "peak_rss_mb": {
             "driver": peak_rss_mb(), "scan_worker": max(m["peak_rss_mb"] for m in metas),
             "dedup_worker": scanned["dedup_peak_rss_mb"], "write_worker": max(m["peak_rss_mb"] for m in parts)}}
-        skipped_files: list[Path] = []  # one walk of the input directories gives both
-        input_info = describe_inputs(list(inputs), cfg.data.split, skipped_files)
         manifest = merge(work, out, overwrite, blocks, parts, fits, fitted, scanned, cfg, tokenizer_dir, {
-            "inputs": input_info, "skipped": [str(f) for f in skipped_files], "threads": threads, "began": began,
+            "inputs": input_info.result(), "skipped": [str(f) for f in skipped_files], "threads": threads, "began": began,
             "timing": {"scan": round(t_scan, 2), **fitted["timing"], "write": round(t_write - t_fit, 2)},
             "execution": execution})
     except Exception as exc:

@@ -10,7 +10,7 @@ import pytest
 from dipaco.config import resolve
 from dipaco.shard_config import ShardConfig
 from dipaco.errors import DipacoError
-from dipaco.sharding.plan import block_rows, make_plan
+from dipaco.sharding.plan import Block, block_rows, largest_first, make_plan
 from dipaco.sharding.sources import iter_rows
 
 
@@ -76,3 +76,37 @@ def test_engine_ray_without_ray_is_one_line(monkeypatch):
     with pytest.raises(DipacoError) as err:
         make_engine("local", 2, "10.0.0.5:6379", 4)
     assert "--engine ray" in str(err.value)
+
+
+def test_blocks_know_their_size_and_the_largest_start_first(tmp_path):
+    """Engines start blocks largest first (small ones fill the end of a pass); sizes come from the plan."""
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"document {i} " + "z" * 40}) + "\n" for i in range(100)))
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one small document"}) + "\n")
+    blocks = make_plan([str(tmp_path)], _cfg(1000))
+    ranges = [b for b in blocks if b.source.endswith("a.jsonl")]
+    assert len(ranges) > 3 and all(b.nbytes == b.end - b.start for b in ranges)
+    assert sum(b.nbytes for b in ranges) == (tmp_path / "a.jsonl").stat().st_size
+    assert blocks[-1].nbytes == (tmp_path / "b.jsonl").stat().st_size
+    order = largest_first(blocks)
+    assert sorted(order) == list(range(len(blocks))) and order[-1] == len(blocks) - 1
+    assert [blocks[i].nbytes for i in order] == sorted((b.nbytes for b in blocks), reverse=True)
+    hub = Block(len(blocks), "hub", "some/dataset")  # streamed whole: size unknown, started first
+    assert largest_first(blocks + [hub])[0] == hub.index
+
+
+def test_a_pool_starts_tasks_in_the_given_order_and_returns_them_in_block_order(tmp_path):
+    from dipaco.sharding.engines import LocalPool
+
+    pool = LocalPool(1, progress=False)
+    try:
+        log = tmp_path / "started"
+        got = pool.run(_log_and_return, [(str(log), i) for i in range(4)], order=[2, 0, 3, 1])
+    finally:
+        pool.close()
+    assert got == [0, 10, 20, 30] and log.read_text().split() == ["2", "0", "3", "1"]
+
+
+def _log_and_return(log: str, i: int) -> int:
+    with open(log, "a") as fh:
+        fh.write(f"{i}\n")
+    return 10 * i

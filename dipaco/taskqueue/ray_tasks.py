@@ -40,8 +40,11 @@ class RayTasks:
         self.remote = ray.remote(num_cpus=1, max_retries=max_retries, retry_exceptions=False)(_call)
         self.preload = tuple(preload)
 
-    def run(self, fn, arglist: list[tuple], on_done: Callable[[int, object], None] = lambda i, result: None) -> list:
-        refs = [self.remote.remote(self.preload, fn, *args) for args in arglist]
+    def run(self, fn, arglist: list[tuple], on_done: Callable[[int, object], None] = lambda i, result: None,
+            order: list[int] | None = None) -> list:
+        refs: list = [None] * len(arglist)
+        for i in range(len(arglist)) if order is None else order:  # Ray schedules them in submission order
+            refs[i] = self.remote.remote(self.preload, fn, *arglist[i])
         index = {ref: i for i, ref in enumerate(refs)}
         out: list = [None] * len(refs)
         waiting = list(refs)
