@@ -61,7 +61,7 @@ def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume:
         log = RoundLog(run_dir, cfg, world, len(plan.trainees), max(0, cfg.rounds - start) * len(worker.trainees), progress)
         H, sync = cfg.inner_steps, worker.sync
         for r in range(start, cfg.rounds):
-            worker.begin_round()                              # this round's losses, clock and byte counters
+            worker.begin_round()                              # this round's losses and clock
             for t in range(r * H + 1, (r + 1) * H + 1):
                 worker.step(t, schedule)                      # one AdamW step of every trainee
                 sync.after_step(t)                            # start the module averages due after t, apply those due at t
@@ -116,8 +116,7 @@ class Worker:
                 tr.model.load_modules(self.modules)
 
     def begin_round(self) -> None:
-        self.began, self.before = time.perf_counter(), self.world.stats()  # cumulative: a reduction still in
-        self.compute, self.inner_logs = 0.0, []                            # flight counts in the round it ends in
+        self.began, self.compute, self.inner_logs = time.perf_counter(), 0.0, []
         self.step_losses: dict[int, list[torch.Tensor]] = {tr.index: [] for tr in self.trainees}
         for tr in self.trainees:
             tr.model.model.train()
@@ -135,8 +134,7 @@ class Worker:
     def round_report(self) -> dict:
         """This worker's report of the round so far (``RoundLog.round`` adds the time and bytes when it gathers)."""
         losses = round_losses(self.step_losses, self.inner_logs, self.cfg.inner_steps)
-        return {"losses": losses, "inner": self.inner_logs, "compute_s": self.compute, "began": self.began,
-                "before": self.before}
+        return {"losses": losses, "inner": self.inner_logs, "compute_s": self.compute, "began": self.began}
 
     def part(self) -> checkpoint.Part:
         """This worker's share of a checkpoint (waits for the reductions in flight)."""
@@ -169,6 +167,10 @@ class RoundLog:
     def __init__(self, run_dir: Path, cfg: TrainConfig, world: World, num_trainees: int, rounds: int, progress: bool):
         """``rounds``: the progress bar's length in rounds of this worker's trainees."""
         self.cfg, self.world, self.num_trainees = cfg, world, num_trainees
+        # bytes and comm/wait seconds since the previous round's line: a reduction counts in the line of the round
+        # it ends in, also when it ends between two rounds (while validating or checkpointing); counting from each
+        # round's start lost those, so a run's total depended on timing
+        self.counted = world.stats()
         self.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if world.rank == 0 else None
         self.bar = tqdm(total=rounds * cfg.inner_steps, desc=f"train {run_dir.name}", unit="step",
                         disable=not progress or world.rank != 0, dynamic_ncols=True, mininterval=1.0)
@@ -177,7 +179,8 @@ class RoundLog:
         stats = self.world.stats()
         reports = self.world.gather({"losses": report["losses"], "val": val, "inner": report["inner"],
                                      "compute_s": report["compute_s"], "seconds": time.perf_counter() - report["began"],
-                                     **{k: v - report["before"][k] for k, v in stats.items()}})
+                                     **{k: v - self.counted[k] for k, v in stats.items()}})
+        self.counted = stats
         if self.metrics is not None:
             log_round(self.metrics, r, reports, self.cfg, self.num_trainees)
             self.bar.set_postfix(round=r, loss=f"{sum(sum(p['losses'].values()) for p in reports) / self.num_trainees:.3f}")
