@@ -171,7 +171,7 @@ def test_a_pass_2_worker_imports_neither_torch_nor_transformers():
 
 def test_a_tfidf_driver_never_imports_torch(corpus, tmp_path):
     """The driver of a tf-idf shard run fits, routes and merges without torch: importing it cost a second of the
-    fit step, on one core while the other idled (and 180 MB of the driver's memory)."""
+    fit step, on one core while the other idled (and about 170 MB of the driver's memory)."""
     code = ("import sys; from conftest import shard_config; from dipaco.sharding.writer import shard; "
             f"shard([{str(corpus)!r}], shard_config('2x2', *{SETS!r}, 'num_proc=1'), {str(tmp_path / 's')!r}, progress=False); "
             "print('torch' in sys.modules)")
