@@ -52,7 +52,10 @@ class Block:
         return self.source + (f" ({unit} {self.start}-{self.end})" if unit and (self.start or self.end >= 0) else "")
 
     def fingerprint(self, settings: str) -> str:
-        return hashlib.sha256(json.dumps([asdict(self), settings], sort_keys=True).encode()).hexdigest()
+        # nbytes follows from the range and the source's identity: left out, so work committed before blocks had a
+        # size is still reused by --resume
+        what = {k: v for k, v in asdict(self).items() if k != "nbytes"}
+        return hashlib.sha256(json.dumps([what, settings], sort_keys=True).encode()).hexdigest()
 
 
 def settings_key(cfg: ShardConfig, tokenizer_sha256: str | None = None) -> str:

@@ -4,6 +4,7 @@ their fsspec backend are one line naming the extra."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -90,6 +91,8 @@ def test_blocks_know_their_size_and_the_largest_start_first(tmp_path):
     order = largest_first(blocks)
     assert sorted(order) == list(range(len(blocks))) and order[-1] == len(blocks) - 1
     assert [blocks[i].nbytes for i in order] == sorted((b.nbytes for b in blocks), reverse=True)
+    assert replace(blocks[0], nbytes=0).fingerprint("s") == blocks[0].fingerprint("s")  # derived: not what is read
+    assert replace(blocks[0], end=blocks[0].end - 1).fingerprint("s") != blocks[0].fingerprint("s")
     hub = Block(len(blocks), "hub", "some/dataset")  # streamed whole: size unknown, started first
     assert largest_first(blocks + [hub])[0] == hub.index
 
