@@ -1,0 +1,170 @@
+"""The serving core without HTTP: modules held once, the budget, and continuous batching that changes no number.
+
+A random tiny Llama per path (random weights give varied tokens, so a wrong mask or position shows at once) stands in
+for a run's modules; the reference for every number is the same model run on one sequence without a cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dipaco.errors import DipacoError
+from dipaco.eval.serve.batcher import Batcher, Job
+from dipaco.eval.serve.modules import ModuleCache, assemble
+
+CONFIG = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True, eos_token_id=96,
+                     bos_token_id=96, pad_token_id=96)
+
+
+class FakeSource:
+    """Paths 'a', 'b', 'c', 'd' on a 2x2 grid: level-0 module x0|x1 (the embedding and block 0) and level-1 module
+    y0|y1 (block 1 and the final norm); each module's tensors come from its own seeded random model."""
+
+    def __init__(self):
+        self.config = CONFIG
+        self.paths = ["a", "b", "c", "d"]
+        self.path_modules = {"a": ["x0", "y0"], "b": ["x0", "y1"], "c": ["x1", "y0"], "d": ["x1", "y1"]}
+        self.loads: list[str] = []
+        self.nbytes = {m: sum(t.numel() * 4 for t in self._tensors(m).values()) for m in ("x0", "x1", "y0", "y1")}
+
+    def _tensors(self, module: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(hash(module) % 1000 + 1)
+        model = LlamaForCausalLM(CONFIG)
+        first = module.startswith("x")
+        return {n: p.detach().clone() for n, p in model.named_parameters()
+                if (n.startswith(("model.embed_tokens", "model.layers.0.")) if first else
+                    n.startswith(("model.layers.1.", "model.norm")))}
+
+    def load(self, module: str) -> dict[str, torch.Tensor]:
+        self.loads.append(module)
+        return self._tensors(module)
+
+
+def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+
+
+def run_jobs(batcher: Batcher, jobs: list[Job], events: dict[int, list], stagger: float = 0.0) -> None:
+    done = [threading.Event() for _ in jobs]
+    for i, job in enumerate(jobs):
+        def emit(kind, payload, i=i):
+            events[i].append((kind, payload))
+            if kind in ("done", "error"):
+                done[i].set()
+        job.emit = emit
+        batcher.submit(job)
+        time.sleep(stagger)
+    assert all(d.wait(60) for d in done)
+
+
+def test_paths_share_module_tensors_without_copies():
+    source = FakeSource()
+    cache = ModuleCache(source, budget=10**9)
+    a, b = cache.load("a"), cache.load("b")
+    assert a.model.embed_tokens.weight.data_ptr() == b.model.embed_tokens.weight.data_ptr()  # x0, held once
+    assert a.lm_head.weight.data_ptr() == a.model.embed_tokens.weight.data_ptr()  # tied head
+    assert a.model.layers[1].mlp.up_proj.weight.data_ptr() != b.model.layers[1].mlp.up_proj.weight.data_ptr()
+    assert sorted(source.loads) == ["x0", "y0", "y1"]  # x0 was loaded once
+    assert cache.resident_bytes == sum(source.nbytes[m] for m in ("x0", "y0", "y1"))
+
+
+def test_budget_evicts_least_recently_used_and_never_a_pinned_path():
+    source = FakeSource()
+    two_paths = source.nbytes["x0"] + source.nbytes["y0"] + source.nbytes["y1"]
+    cache = ModuleCache(source, budget=two_paths)
+    cache.load("a"), cache.load("b")
+    cache.pin("b")
+    assert cache.load("c") is None  # c needs x1: only y0 is free to go (b is pinned), and that is not enough room
+    cache.pin("b", -1)
+    cache.model("b")  # b used last, so a's y0 is the oldest; c needs it, so x0 (b's, next oldest) makes the room
+    assert cache.load("c") is not None
+    assert cache.resident_bytes <= two_paths
+    assert set(cache.modules) == {"x1", "y0", "y1"} and set(cache.models) == {"c"}
+    with pytest.raises(DipacoError, match="smaller than one path"):
+        ModuleCache(source, budget=source.nbytes["x0"])
+
+
+def test_assembled_model_equals_a_model_loaded_by_copy():
+    source = FakeSource()
+    tensors = {**source.load("x0"), **source.load("y1")}
+    copied = LlamaForCausalLM(CONFIG).eval()
+    copied.load_state_dict(tensors, strict=False)
+    ids = torch.tensor([[5, 17, 3, 88, 42]])
+    with torch.inference_mode():
+        assert torch.equal(assemble(CONFIG, tensors)(input_ids=ids).logits, copied(input_ids=ids).logits)
+
+
+def test_rows_joining_and_leaving_a_batch_get_the_numbers_of_a_lone_sequence():
+    """Prompts of different lengths on two paths, joining while others decode and leaving at different lengths: every
+    new token is the greedy token of the sequence alone, and every reported log-probability matches (1e-4)."""
+    source = FakeSource()
+    cache = ModuleCache(source, budget=10**9)
+    batcher = Batcher(cache, eos=CONFIG.eos_token_id, max_batch=3).start()
+    g = torch.Generator().manual_seed(0)
+    jobs = [Job(path="ab"[i % 2], ids=torch.randint(0, 95, (3 + 5 * i,), generator=g).tolist(), max_new=4 + 3 * (i % 3),
+                emit=None, prompt_logprobs=(i == 2), top_logprobs=2) for i in range(7)]
+    events = {i: [] for i in range(len(jobs))}
+    run_jobs(batcher, jobs, events, stagger=0.01)
+    batcher.stop()
+    for i, job in enumerate(jobs):
+        tokens = [p for k, p in events[i] if k == "token"]
+        assert events[i][-1] == ("done", "length") and len(tokens) == job.max_new
+        seq = job.ids + [t for t, _, _ in tokens]
+        ref = reference_logprobs(cache.model(job.path), seq)
+        for n, (token, lp, top) in enumerate(tokens):
+            row = ref[len(job.ids) - 1 + n]
+            assert token == int(row.argmax()), (i, n)
+            assert abs(lp - float(row[token])) < 1e-4
+            assert [t for t, _ in top] == row.topk(2).indices.tolist()
+        if job.prompt_logprobs:
+            prompt = [p for k, p in events[i] if k == "prompt"][0]
+            assert len(prompt) == len(job.ids) - 1
+            assert all(abs(lp - float(ref[t, job.ids[t + 1]])) < 1e-4 for t, (lp, _) in enumerate(prompt))
+
+
+def test_cancelled_rows_leave_and_sampling_is_seeded():
+    source = FakeSource()
+    batcher = Batcher(ModuleCache(source, budget=10**9), eos=CONFIG.eos_token_id).start()
+    ids = [1, 2, 3, 4]
+    jobs = [Job("a", ids, 30, None, temperature=1.0, top_p=0.9, seed=7) for _ in range(2)]
+    jobs.append(Job("a", ids, 10_000, None))
+    events = {i: [] for i in range(3)}
+
+    def cancel_later():
+        time.sleep(0.3)
+        jobs[2].cancelled = True
+
+    threading.Thread(target=cancel_later).start()
+    run_jobs(batcher, jobs, events)
+    batcher.stop()
+    first, second = ([p[0] for k, p in events[i] if k == "token"] for i in (0, 1))
+    assert first == second and len(first) > 5  # the same seed, the same tokens, even side by side in one batch
+    assert events[0][-1][1] in ("stop", "length") and (events[0][-1][1] == "stop") == (first[-1] == CONFIG.eos_token_id)
+    assert events[2][-1] == ("done", "cancelled")
+    assert batcher.in_flight == 0 and not batcher.cache.pins
+
+
+def test_a_cold_path_waits_for_memory_while_others_are_answered():
+    """A budget of two paths and requests for all four: every request is answered and the resident bytes never pass
+    the budget."""
+    source = FakeSource()
+    budget = source.nbytes["x0"] + source.nbytes["y0"] + source.nbytes["y1"]
+    cache = ModuleCache(source, budget=budget)
+    batcher = Batcher(cache, eos=CONFIG.eos_token_id).start()
+    seen = []
+    sampler = threading.Thread(target=lambda: [seen.append(cache.resident_bytes) or time.sleep(0.005) for _ in range(200)])
+    sampler.start()
+    jobs = [Job("abcd"[i % 4], [1 + i, 2, 3], 6, None) for i in range(12)]
+    events = {i: [] for i in range(len(jobs))}
+    run_jobs(batcher, jobs, events)
+    batcher.stop()
+    sampler.join()
+    assert all(e[-1] == ("done", "length") for e in events.values())
+    assert max(seen) <= budget
