@@ -16,7 +16,7 @@ import torch
 from dipaco.command_config import GenerateConfig as G  # the defaults, declared once
 from dipaco.command_config import check_max_new_tokens
 from dipaco.errors import DipacoError
-from dipaco.eval.once_policy import decide_once, once_rule_of, router_log_prior
+from dipaco.eval.once_policy import OnceRule, decide_once, once_rule_of, router_log_prior
 from dipaco.eval.perplexity import check_mixture, mixture_weights
 from dipaco.eval.window_policy import Rule, decide, rule_of
 
@@ -90,11 +90,12 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
     options = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
     eos = rr.run.info["eos_token_id"]
     window = rr.window_router(route_every) if route_every else None
-    rule, why = _rule(rr, route_every)
+    rule, why = every_w_rule(rr, route_every)
     models, segments, context, first = {}, [], ids, chosen
     while len(new := context[0, ids.shape[1]:].tolist()) < max_new_tokens and (not new or new[-1] != eos):
         if segments:  # what came before the next segment chooses its path
-            chosen = _next_path(rr, rule, window, context, first, chosen, segments, models, round)
+            chosen = next_path(rr, rule, window, context[0].tolist(), first, chosen, [n for _, n in segments],
+                               loaded_scorer(rr, round, models))
         if chosen not in models:
             models[chosen] = rr.path_model(chosen, round).model
         n = min(route_every or max_new_tokens, max_new_tokens - len(new))
@@ -111,32 +112,56 @@ def generate(rr: RoutedRun, prompt: str, max_new_tokens: int = G.max_new_tokens,
     return Generation(prompt, rr.decode(new), weights, loaded, total, len(new), segments, how, **cut_info)
 
 
-@torch.no_grad()
-def route_prompt(rr: RoutedRun, prompt: str, round: int | None = None) -> tuple[str, str, list[str]]:
-    """The prompt's path under the run's once rule (``RoutedRun.find_once_policy``: RUN/routing/once.json, the rule eval
-    routes by), how it was chosen, and the paths read to choose it. A prefix-loss rule scores the prompt's first
-    ``eval.context_tokens`` tokens with every path, one model at a time, as eval scores a document's routing context."""
-    shard_path = rr.route([prompt])[0]
+def route_prompt(rr: RoutedRun, prompt: str, round: int | None = None, score=None) -> tuple[str, str, list[str]]:
+    """The prompt's path under the run's once rule (``route_ids`` on its tokens)."""
+    return route_ids(rr, rr.encode(prompt), round, score)
+
+
+def route_ids(rr: RoutedRun, ids: list[int], round: int | None = None, score=None,
+              rule: OnceRule | None = None) -> tuple[str, str, list[str]]:
+    """The path of a text given as token ids under the run's once rule (``RoutedRun.find_once_policy``:
+    RUN/routing/once.json, the rule eval routes by; ``rule`` overrides it), how it was chosen, and the paths read to
+    choose it. A prefix-loss rule scores the first ``eval.context_tokens`` tokens with every path, as eval scores a
+    document's routing context; ``score`` (``loaded_scorer`` by default) runs those forward passes."""
     if rr.run.is_dense:
-        return shard_path, "shard router on the prompt's first tokens", []
-    policy = rr.find_once_policy()
-    rule = once_rule_of(policy["chosen"])
+        return rr.paths[0], "shard router on the prompt's first tokens", []
+    shard_path = rr.router.route_ids([ids])[0]
+    policy = rr.find_once_policy() if rule is None else {"reason": "chosen for this server"}
+    rule = once_rule_of(policy["chosen"]) if rule is None else rule
     context = rr.run.config.eval.context_tokens
-    tokens = rr.encode(prompt)[:context]
+    tokens = list(ids[:context])
     if rule.kind == "shard-router" or len(tokens) < 2:
-        why = f"{rule.name}, chosen on the router documents" if rule.kind == "shard-router" else f"{rule.name} needs 2 prompt tokens"
+        origin = "chosen on the router documents" if "chosen" in policy else policy["reason"]
+        why = f"{rule.name}, {origin}" if rule.kind == "shard-router" else f"{rule.name} needs 2 prompt tokens"
         return shard_path, f"shard router on the prompt's first tokens ({why})", []
-    ids, paths = torch.tensor([tokens]), rr.run.grid.paths
-    nll = []
-    for p in paths:  # one model at a time: the memory of one path
-        logits = rr.path_model(p, round).model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-        nll.append(float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")))
+    paths = rr.run.grid.paths
+    score = score or loaded_scorer(rr, round)
+    nll = [float(x.sum(dtype=np.float64)) for x in score([(p, tokens) for p in paths])]
     prior = router_log_prior(rr.router, rr.router.distances_of_ids([tokens]))
     chosen = decide_once(rule, paths, [shard_path], np.array([nll]), prior)[0]
     return chosen, f"once, {rule.name}: {rule.describe(context)} ({policy['reason']})", paths
 
 
-def _rule(rr: RoutedRun, w: int) -> tuple[Rule, str]:
+def loaded_scorer(rr: RoutedRun, round: int | None = None, models: dict | None = None):
+    """``score([(path, ids), ...])`` -> every target's NLL (len(ids) - 1 values) under each path, loading a path's model
+    when first needed (into ``models``, kept there), one sequence at a time."""
+    models = {} if models is None else models
+
+    @torch.no_grad()
+    def score(requests):
+        out = []
+        for p, ids in requests:
+            if p not in models:
+                models[p] = rr.path_model(p, round).model
+            x = torch.as_tensor([list(ids)], dtype=torch.long)
+            logits = models[p](input_ids=x, use_cache=False).logits[0, :-1].float()
+            out.append(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none").numpy())
+        return out
+
+    return score
+
+
+def every_w_rule(rr: RoutedRun, w: int) -> tuple[Rule, str]:
     """The every-W rule: the best rule that runs one path, chosen on the router documents for this run
     (``policy.json``). Without one, or with one an earlier dipaco chose on the validation documents or against
     another once rule, "stay": the prompt's path throughout, never worse than routing once."""
@@ -153,10 +178,11 @@ def _rule(rr: RoutedRun, w: int) -> tuple[Rule, str]:
     return rule_of(one["chosen"]), f"chosen on the router documents: {one['reason']}"
 
 
-@torch.no_grad()
-def _next_path(rr: RoutedRun, rule: Rule, window, context: torch.Tensor, first: str, current: str, segments, models,
-               round) -> str:
-    tokens, paths = context[0].tolist(), rr.run.grid.paths
+def next_path(rr: RoutedRun, rule: Rule, window, tokens: list[int], first: str, current: str, spans: list[int],
+              score) -> str:
+    """The path of the next segment of a text re-routed every W tokens: ``tokens`` is all of it so far, ``spans`` the
+    new tokens of each earlier segment; ``score`` as ``loaded_scorer`` (a lagged-loss rule scores every path)."""
+    paths = rr.run.grid.paths
     if rule.kind == "stay":
         return first
     if rule.kind == "shard-router":
@@ -165,18 +191,11 @@ def _next_path(rr: RoutedRun, rule: Rule, window, context: torch.Tensor, first: 
         ids = [tokens[-window.input.tokens:]]
         return decide(rule, [[(0, 1), (len(ids[0]), len(ids[0]) + 1)]], [first], ids, paths, window_router=window)[0][1]
     # lagged-loss: every path scores the previous chunk(s) of the text (with their context), the rule picks
-    spans = [n for _, n in segments]
     keep = spans if rule.lookback == 0 else spans[-rule.lookback:]
     start = len(tokens) - sum(keep)
-    window_ids = context[:, -rr.run.config.model.max_seq_len:]
-    offset = len(tokens) - window_ids.shape[1]
-    nll = []
-    for p in paths:
-        if p not in models:
-            models[p] = rr.path_model(p, round).model
-        logits = models[p](input_ids=window_ids, use_cache=False).logits[0, :-1].float()
-        per_token = torch.nn.functional.cross_entropy(logits, window_ids[0, 1:], reduction="none")
-        nll.append(float(per_token[max(0, start - offset - 1):].sum()))
+    window_ids = tokens[-rr.run.config.model.max_seq_len:]
+    offset = len(tokens) - len(window_ids)
+    nll = [float(x[max(0, start - offset - 1):].sum()) for x in score([(p, window_ids) for p in paths])]
     cut = [(0, sum(keep)), (sum(keep), sum(keep) + 1)]
     chunk_nll = [np.array([nll, [0.0] * len(paths)])]
     lagged = Rule("lagged-loss", rule.margin, 1)
