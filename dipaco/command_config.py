@@ -127,3 +127,30 @@ class WindowRouterConfig:
     def check(self, at: str) -> None:
         _held_aside(at, self.holdout_fraction)
         positive(at + "max_tokens", self.max_tokens)
+
+
+@dataclass
+class ServeConfig:
+    """``dipaco serve``: where it listens, how it routes, what it keeps in memory, how much it takes at once."""
+    host: str = flag("127.0.0.1")
+    """Address to listen on; any other than loopback needs an API key (--api-key or DIPACO_API_KEY)."""
+    port: int = flag(8000)
+    """Port to listen on (0: a free one, printed at start)."""
+    max_memory: str = flag("", metavar="BYTES")
+    """Budget for resident module bytes, e.g. 4GB (default: half the memory available at start)."""
+    routing: Literal["run", "shard"] = flag("run")
+    """How a prompt is routed: run = the run's once rule, as generate and eval; shard = the shard router alone."""
+    route_every: int = flag(0, metavar="W")
+    """Re-route after every W new tokens with the run's every-W rule (0: one path per answer)."""
+    max_batch: int = flag(32)
+    """Rows of one path's running batch."""
+    max_queue: int = flag(256)
+    """Choices in flight at most; past it requests get 429 with Retry-After."""
+    round: int | None = flag(None)
+    """Checkpoint round to serve (default: the latest)."""
+
+    def check(self, at: str) -> None:
+        at_least(at + "port", self.port, 0)
+        at_least(at + "route_every", self.route_every, 0)
+        positive(at + "max_batch", self.max_batch)
+        positive(at + "max_queue", self.max_queue)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dipaco import command_config as CC, config as C, shard_config as S
 from dipaco.cli.flags import Parser, add_flags, config_args, flags_of, set_arg
+from dipaco.cli.serve import add_serve_command
 from dipaco.errors import DipacoError
 from dipaco.storage.objects import Storage, is_url
 from dipaco.storage.outputs import check_out_dir, check_out_file, check_writable, os_error_line
@@ -324,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dipaco", description="Train modular language models the DiPaCo way.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     _add_pipeline_commands(sub)
+    add_serve_command(sub)
     _add_tool_commands(sub)
     for p in sub.choices.values():
         p.add_argument("--quiet", action="store_true", help="no progress bars")

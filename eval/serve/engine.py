@@ -100,6 +100,7 @@ class Engine:
         self.cache = ModuleCache(self.source, self.budget, metrics)
         self.batcher = Batcher(self.cache, self.eos, max_batch, metrics, max_position=self.max_len).start()
         self._window = self._every_w() if self.route_every else None
+        self.remote = None  # the front router's upstreams: paths scored (for routing) and answered elsewhere
 
     # ---------------------------------------------------------------- routing
     def _once_rule(self):
@@ -173,13 +174,18 @@ class Engine:
 
     def score(self, requests: list[tuple[str, list[int]]]) -> list[np.ndarray]:
         """Every target's NLL (len(ids) - 1 values) of each (path, ids): ``dipaco.eval.generate.loaded_scorer``'s
-        contract, run through the batcher."""
-        jobs = [Job(path, list(ids), 0, None, prompt_logprobs=True) for path, ids in requests]
-        out = []
-        for r in self.run_jobs(jobs):
+        contract, run through the batcher (or, for a path served upstream, by its upstream)."""
+        far = [i for i, (p, _) in enumerate(requests) if self.remote is not None and self.remote.serves(p)]
+        near = [i for i in range(len(requests)) if i not in set(far)]
+        out: list = [None] * len(requests)
+        if far:
+            for i, nll in zip(far, self.remote.score([requests[i] for i in far])):
+                out[i] = nll
+        jobs = [Job(requests[i][0], list(requests[i][1]), 0, None, prompt_logprobs=True) for i in near]
+        for i, r in zip(near, self.run_jobs(jobs)):
             if r.error:
                 raise DipacoError(r.error)
-            out.append(-np.array([lp for lp, _ in r.prompt], dtype=np.float64))
+            out[i] = -np.array([lp for lp, _ in r.prompt], dtype=np.float64)
         return out
 
     def close(self) -> None:

@@ -1,0 +1,105 @@
+"""One choice of a completion, on the event loop: its jobs' events, re-routing every W tokens, stop strings, text.
+
+``choice_events`` turns a prompt's path and options into events (``prompt``, ``token``, ``done``), running one batcher
+job per segment (a segment is W new tokens under ``--route-every W``, else the whole answer). ``Text`` turns tokens
+into the text a client sees: decoded as ``dipaco generate`` decodes, cut at the first stop string, and, while
+streaming, holding back what might still become a stop string or is half of a character.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from dipaco.eval.serve.api import ApiError, Sampling
+from dipaco.eval.serve.batcher import Job
+
+
+async def job_events(engine, job: Job):
+    """The events of one batcher job, as they come; a consumer that stops early cancels the job (its row leaves the
+    batch at the next step)."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    job.emit = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+    engine.submit(job)
+    try:
+        while True:
+            kind, payload = await events.get()
+            yield kind, payload
+            if kind in ("done", "error"):
+                return
+    finally:
+        job.cancelled = True
+
+
+async def choice_events(engine, ids: list[int], path: str, s: Sampling, seed: int | None, rerouted: bool):
+    """Events of one choice: ``("prompt", [(logprob, top)])`` (echo with logprobs), ``("token", (id, logprob, top,
+    path))`` per new token and ``("done", reason)``. With ``rerouted``, every W new tokens the run's every-W rule picks
+    the next segment's path, which reads the whole text so far (as ``dipaco generate --route-every`` does)."""
+    context, first, spans, left = list(ids), path, [], s.max_tokens
+    every = engine.route_every if rerouted else 0
+    while True:
+        n = min(every or left, left)
+        job = Job(path, context, n, None, temperature=s.temperature, top_p=s.top_p,
+                  seed=None if seed is None else seed + len(spans), top_logprobs=s.logprobs or 0,
+                  prompt_logprobs=s.echo and s.logprobs is not None and not spans)
+        reason, made = "length", 0
+        async for kind, payload in job_events(engine, job):
+            if kind == "prompt":
+                yield "prompt", payload
+            elif kind == "token":
+                made += 1
+                context.append(payload[0])
+                yield "token", (*payload, path)
+            elif kind == "error":
+                raise ApiError(500, str(payload), kind="server_error")
+            else:
+                reason = payload
+        spans.append(made)
+        left -= made
+        if reason != "length" or left <= 0 or not every:
+            yield "done", reason
+            return
+        path = await asyncio.to_thread(engine.next_path, context, first, path, spans)
+
+
+@dataclass
+class Text:
+    """The text of a choice's new tokens, cut at the first stop string."""
+    decode: object
+    stops: list[str]
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0
+    stopped: bool = False
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        self.text = self.decode(self.ids)
+        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.text, self.stopped = self.text[:min(hits)], True
+
+    def delta(self, final: bool = False) -> str:
+        """Text not sent yet; before the end, keep back a tail that could begin a stop string or ends mid-character."""
+        end = len(self.text)
+        if not final:
+            end -= max((len(s) - 1 for s in self.stops), default=0)
+            while end > self.sent and self.text[end - 1:end] == "\ufffd":
+                end -= 1
+        if end <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+
+def tokens_in(text: Text, pieces: list[str]) -> int:
+    """How many new tokens the (possibly stop-cut) text still covers: their logprobs are kept, the rest dropped."""
+    if not text.stopped:
+        return len(pieces)
+    at = 0
+    for i, piece in enumerate(pieces):
+        if at >= len(text.text):
+            return i
+        at += len(piece)
+    return len(pieces)
