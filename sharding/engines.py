@@ -22,6 +22,7 @@ from concurrent.futures.process import BrokenProcessPool
 from tqdm.auto import tqdm
 
 from dipaco.errors import DipacoError
+from dipaco.taskqueue.children import die_with_parent
 
 # what every worker runs with: one tokenizer thread and one BLAS/torch thread (a worker is one core)
 WORKER_ENV = {"RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -35,7 +36,8 @@ def worker_env() -> dict[str, str]:
     return {**WORKER_ENV, **{k: os.environ[k] for k in PASSED_ENV if k in os.environ}}
 
 
-def _init_worker(env: dict[str, str]) -> None:
+def _init_worker(env: dict[str, str], parent: int) -> None:
+    die_with_parent(parent)  # a killed shard command takes its workers with it (each holds a tokenizer, a router)
     os.environ.update(env)
     for module in PRELOAD:
         threading.Thread(target=importlib.import_module, args=(module,), daemon=True).start()
@@ -79,7 +81,7 @@ class LocalPool(Engine):
         super().__init__(progress)
         self.workers = workers
         self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                        initializer=_init_worker, initargs=(worker_env(),))
+                                        initializer=_init_worker, initargs=(worker_env(), os.getpid()))
 
     def run(self, fn, arglist: list[tuple], desc: str = "", on_result=None, order=None) -> list:
         futures: list = [None] * len(arglist)

@@ -73,16 +73,16 @@ def test_initial_modules_are_the_seeded_dense_model_and_keep_only_what_is_asked(
 
 def test_both_engines_call_the_shared_steps_and_nothing_else_builds_them():
     """Each shared step is defined once (training/engine_steps.py, storage/run.py) and called by the in-process engine
-    (training/train.py, training/sync.py) and the Ray engine (taskqueue/phases.py, taskqueue/ray_engine.py); no other
-    file writes a round or inner line by hand."""
+    (training/train.py, training/sync.py) and the Ray engine (taskqueue/phases.py, and its driver's
+    taskqueue/schedule.py and taskqueue/newrun.py); no other file writes a round or inner line by hand."""
     from pathlib import Path
 
     core = Path(__file__).resolve().parents[1] / "dipaco"
     text = {f.relative_to(core).as_posix(): f.read_text(encoding="utf-8") for f in core.rglob("*.py")}
     train, sync = "training/train.py", "training/sync.py"
-    phases, driver = "taskqueue/phases.py", "taskqueue/ray_engine.py"
+    phases, rounds, runstore = "taskqueue/phases.py", "taskqueue/schedule.py", "taskqueue/newrun.py"
     calls = {"inner_record(": ({train}, {phases}), "rescale_and_step(": ({sync}, {phases}),
-             "round_line(": ({train}, {driver}), "initial_modules(": ({train}, {driver})}
+             "round_line(": ({train}, {rounds}), "initial_modules(": ({train}, {runstore})}
     for call, (in_process, ray) in calls.items():
         callers = {name for name, t in text.items() if call in t.replace(f"def {call}", "")}
         assert in_process <= callers and ray <= callers, (call, callers)

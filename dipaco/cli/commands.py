@@ -103,6 +103,7 @@ def cmd_inspect(args) -> None:
 
 
 def cmd_train(args) -> None:
+    from dipaco.taskqueue.lease import only_a_lease
     from dipaco.training.train import train
 
     cfg = _resolve(args, C.TrainConfig)
@@ -112,7 +113,7 @@ def cmd_train(args) -> None:
     if remote and cfg.engine != "ray":
         raise DipacoError(f"--out {args.out}: a run in object storage is trained by the task queue; add --engine ray "
                           f"(or train into a local --out)")
-    if os.environ.get("RANK", "0") == "0" and not remote:  # under torchrun rank 0 checks: it alone writes the run
+    if os.environ.get("RANK", "0") == "0" and not remote and not only_a_lease(args.out):  # rank 0 alone writes the run
         # --out is a new or empty directory or a dipaco run (train decides about --resume), never an input
         check_out_dir(args.out, "run", inputs={"--shards": args.shards, "--init-from": cfg.init_from,
                                                "--config": args.config})

@@ -36,6 +36,20 @@ def _alive(holder: dict) -> bool:
     return time.time() - float(holder.get("heartbeat", 0)) < EXPIRY_S
 
 
+def only_a_lease(folder) -> bool:
+    """Whether a local folder holds nothing but what a driver writes before the run's own files: its lease (a
+    driver stopped or killed before it created run.json; the lease is taken over as usual) and a queue."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    try:
+        names = {p.name for p in folder.iterdir()}
+        body = json.loads((folder / KEY).read_text())
+    except (OSError, ValueError):
+        return False
+    return KEY in names and names <= {KEY, "queue"} and isinstance(body, dict) and {"owner", "pid"} <= set(body)
+
+
 class Lease:
     def __init__(self, location: str):
         self.storage, self.location = Storage(location), location

@@ -168,7 +168,7 @@ def run_phase(spec: PhaseSpec, node: str = "") -> dict:
     if cache:
         cache.keep(new_state, digest)
     record = {"trainee": i, "path": spec.path, "version": v, "attempt": attempt, "train_loss": mean, "inner": logs,
-              "val_loss": val, "bytes_sent": sent, "bytes_loaded": sum(t.numel() * t.element_size()
+              "val_loss": val, "validated": spec.validate, "bytes_sent": sent, "bytes_loaded": sum(t.numel() * t.element_size()
                                                                       for ts in modules.values() for t in ts.values()),
               "load_s": loaded - began, "val_s": validated - loaded, "compute_s": computed - validated,
               "save_s": time.perf_counter() - computed, **where(), "node": node, **store.storage.counters(),

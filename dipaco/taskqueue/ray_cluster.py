@@ -23,6 +23,7 @@ import sys
 import threading
 
 from dipaco.errors import DipacoError
+from dipaco.taskqueue.children import watch_local_ray
 
 # Ray decides a node's address when it starts: with its "cluster" mode off it takes the loopback address, and its
 # servers listen on 127.0.0.1 only (they do when their node's address is 127.0.0.1). Read by ray on import and by
@@ -30,6 +31,7 @@ from dipaco.errors import DipacoError
 _LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _WARNED = "DIPACO_RAY_AUTH_WARNED"  # the warning is given once per process tree (a --keep-going parent tells its children)
 INIT_DEADLINE_S = 45.0
+_watcher = None  # the watcher of the local Ray this process started (dipaco.taskqueue.children.watch_local_ray)
 
 
 class ClusterUnreachable(DipacoError):
@@ -79,6 +81,8 @@ def connect(address: str = "", cpus: int | None = None, env: dict | None = None)
         # address="local": a new Ray of our own, never one that `ray start` left running on this machine
         ray.init(address="local", num_cpus=cpus or os.cpu_count(), include_dashboard=False,
                  object_store_memory=256 << 20, **opts)
+        global _watcher  # this Ray's processes end with this one, SIGKILLed or not (dipaco.taskqueue.children)
+        _watcher = watch_local_ray(getattr(ray._private.worker._global_node, "session_name", ""))
         return {"address": ray.get_runtime_context().gcs_address, "local": True}
     why = reachable(address)
     if why:
@@ -117,9 +121,17 @@ def _init_with_deadline(ray, address: str, opts: dict) -> None:
 
 
 def disconnect() -> None:
+    """Leave Ray; a local Ray is stopped, and whatever of it outlives ``ray.shutdown`` is killed."""
     import ray
 
-    ray.shutdown()
+    global _watcher
+    try:
+        ray.shutdown()
+    finally:
+        if _watcher is not None:
+            _watcher.stdin.close()  # the watcher ends this Ray's stragglers now, not at this process's end
+            _watcher.wait(timeout=30)
+            _watcher = None
 
 
 def non_loopback_addresses() -> list[str]:

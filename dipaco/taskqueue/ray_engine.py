@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -37,22 +36,26 @@ from tqdm.auto import tqdm
 
 from dipaco.config import TrainConfig
 from dipaco.errors import DipacoError
-from dipaco.io import log
 from dipaco.model.grid import format_grid
 from dipaco.model.path_model import PathModel, llama_config
 from dipaco.storage import checkpoint
 from dipaco.storage.objects import Storage
-from dipaco.storage.run import Plan, RunDirectory, build_grid, check_dense_source, initial_modules
+from dipaco.storage.run import Plan, RunDirectory, build_grid, check_dense_source
 from dipaco.storage.shards import ShardSet
 from dipaco.taskqueue.lease import Lease
 from dipaco.taskqueue.phases import PhaseSpec, StepSpec, outer_step, run_phase, validate_path
-from dipaco.taskqueue.ray_cluster import connect
-from dipaco.taskqueue.runstore import assemble, choose_lineage, config_digest, driver_mirror, local_shards, pull_run, push
+from dipaco.taskqueue.ray_cluster import ClusterUnreachable, connect, disconnect
+from dipaco.taskqueue.schedule import describe, log_round, missing, phase_validates, ready, val_losses
+from dipaco.taskqueue.newrun import begin_run
+from dipaco.taskqueue.runstore import assemble, choose_lineage, config_digest, driver_view, local_shards, push
 from dipaco.taskqueue.taskstore import Damaged, Ledger, ModuleGroups, TaskStore, ref
 from dipaco.training.devices import phase_device, phase_resources
-from dipaco.training.engine_steps import round_line
 from dipaco.training.outer import renormalised
-from dipaco.training.trainee import make_trainee
+
+
+# a loss of machines or of the connection to the cluster: never an error of the run (--keep-going waits it out)
+LOSSES = (ray.exceptions.LocalRayletDiedError, ray.exceptions.RaySystemError, ray.exceptions.RpcError,
+          ray.exceptions.ObjectLostError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)
 
 
 @ray.remote(num_cpus=1)
@@ -83,24 +86,25 @@ def train_ray(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, res
               workers: int | None = None) -> dict:
     """Train (or continue) ``run_dir`` (a local path or a URL) on Ray: the cluster at ``cfg.ray.address``, or a local
     one with ``workers`` CPUs."""
-    location = str(run_dir)
+    with driver_view(str(run_dir)) as local:  # a run in a bucket: a local mirror, removed however this ends
+        return _train(cfg, shards_dir, str(run_dir), local, resume, progress, workers)
+
+
+def _train(cfg: TrainConfig, shards_dir, location: str, local: Path, resume: bool, progress: bool, workers) -> dict:
     shards = ShardSet(local_shards(shards_dir))
     grid = build_grid(cfg, cfg.grid.shape or shards.grid)
     plan = Plan.make(cfg, grid, shards, 1)
     storage = Storage(location)
-    local = driver_mirror() if storage.remote else Path(location)
-    if storage.remote:
-        pull_run(location, "meta", into=local)
     directory = RunDirectory(local, cfg, shards)
     start = directory.check(resume)  # bad input is refused before any Ray process starts
     if cfg.init_from:
         check_dense_source(cfg.init_from, shards)
     # tasks see the driver's object-store settings (an endpoint, credentials where the nodes have none of their own)
     env = {k: v for k, v in os.environ.items() if k.startswith(("DIPACO_TEST_", "AWS_", "DIPACO_CACHE"))}
-    with Lease(location):
-        connect(cfg.ray.address, workers, env)
+    try:
+        connect(cfg.ray.address, workers, env)  # before the lease: a command that cannot join writes nothing
         signal.signal(signal.SIGTERM, _interrupt)  # after Ray's own handler (a native stack dump): one dipaco line
-        try:
+        with Lease(location):
             cpus = int(ray.cluster_resources().get("CPU", 0))
             # where phases train: --device cuda on a cluster without a GPU stops here, in one line
             device = phase_device(cfg.device, ray.cluster_resources().get("GPU", 0), cfg.ray.gpus_per_phase)
@@ -115,13 +119,11 @@ def train_ray(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, res
             queue = TaskQueue(cfg, shards_dir, shards, grid, plan, store, local, start, directory.schedule_steps(),
                               progress, device)
             stats = queue.run()
+    finally:
+        try:
+            disconnect()
         finally:
-            try:
-                ray.shutdown()
-            finally:
-                _restore_stderr()
-            if storage.remote:  # the driver's local view of a run in a bucket
-                shutil.rmtree(local, ignore_errors=True)
+            _restore_stderr()
     return {"run": location, "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(plan.trainees),
             "workers": cpus, "engine": "ray", "device": device, **stats}
 
@@ -153,20 +155,6 @@ def _restore_stderr() -> None:
 
 def _say(line: str) -> None:
     print(f"dipaco train: {line}", file=sys.stderr, flush=True)
-
-
-def begin_run(cfg, shards, grid, plan, directory: RunDirectory, storage: Storage, cpus: int) -> None:
-    """A new run: config.toml, run.json and round 0 (the initial modules and fresh trainee states), as the sync
-    engine writes them (then uploaded, for a run in a bucket); the trainees are built on the meta device (no weights:
-    only their optimizer and data state)."""
-    modules, parameters = initial_modules(cfg, grid, shards, plan.paths[0])
-    with torch.device("meta"):
-        skeleton = PathModel(grid, plan.paths[0], llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)).model
-    states = [make_trainee(i, p, s, grid, shards, cfg, model=skeleton).state() for i, (p, s) in enumerate(plan.trainees)]
-    directory.create(grid, plan, cpus, parameters)
-    checkpoint.save_round(directory.root, 0, modules, {}, states, {"trainee_paths": plan.paths, "engine": "ray"})
-    storage.delete("metrics.jsonl")
-    push(directory.root, storage, ["config.toml", "run.json", "checkpoints/round_0", "checkpoints/latest"])
 
 
 class TaskQueue:
@@ -201,22 +189,53 @@ class TaskQueue:
         self.bar.update(len(self.ledger.done) * self.inner_steps)
         self.metrics = open(local / "metrics.jsonl", "a", encoding="utf-8")
         self.counts = {"retried": 0, "dropped": 0, "storage_read": 0, "storage_written": 0}
+        self.awaiting: set[tuple[str, int]] = set()  # validations storage lacks although their phase committed
+        self.damaged = Damaged
+        self.progress_at = self.said_at = time.time()
 
     # ----------------------------------------------------------------------------------------------- the loop
     def run(self) -> dict:
         try:
             while self.next_round <= self.rounds:
                 self.launch_ready()
-                refs = list(self.inflight)
-                ready, _ = ray.wait(refs, num_returns=1, timeout=self.wait_s()) if refs else ([], [])
-                for ref in ready:
+                if not self.inflight:  # never wait on nothing: finish what storage holds, launch what it lacks, or end
+                    self.complete_rounds()
+                    if self.next_round > self.rounds:
+                        break
+                    self.launch_ready()
+                    if not self.inflight:
+                        raise DipacoError(missing(self))
+                done, _ = ray.wait(list(self.inflight), num_returns=1, timeout=self.wait_s())
+                for ref in done:
                     self.finish(ref)
+                self.progress_at = time.time() if done else self.progress_at
+                self.say_waiting()
                 self.apply_quorum()
                 self.complete_rounds()
+        except LOSSES as exc:  # the connection to the cluster failed, not the run
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise ClusterUnreachable(f"lost the Ray cluster ({type(exc).__name__}: {first}); resume (--resume) when it "
+                                     f"is back, or run with --keep-going") from None
         finally:
             self.bar.close()
             self.metrics.close()
         return dict(self.counts)
+
+    def say_waiting(self) -> None:
+        """A line at most once a minute while nothing has come back for a minute and the cluster offers too few CPUs
+        (or GPUs) for a single task: the run waits on machines, and says for what."""
+        now = time.time()
+        if now - max(self.progress_at, self.said_at) < 60:
+            return
+        have = ray.cluster_resources()
+        short = [f"{have.get(k, 0):g} {k}" for k, key in (("CPU", "num_cpus"), ("GPU", "num_gpus"))
+                 if have.get(k, 0) < self.task_options.get(key, 0)]
+        if short:
+            self.said_at = now
+            tasks = sorted({describe(*t) for t in self.inflight.values()})
+            _say(f"waiting for machines: nothing came back for {now - self.progress_at:.0f} s and the cluster offers "
+                 f"{' and '.join(short)}, fewer than one task asks for; {len(tasks)} tasks wait ({tasks[0]}"
+                 f"{' ...' if len(tasks) > 1 else ''}); add nodes (`ray start --address ...`)")
 
     def wait_s(self) -> float:
         if not self.cfg.ray.quorum or not self.quorum_since:
@@ -233,25 +252,17 @@ class TaskQueue:
         return set(self.inflight.values())
 
     def launch_ready(self) -> None:
-        busy = self.busy()
-        for i in range(self.num_trainees):  # each trainee's next phase, once its modules have that version
-            v = next((v for v in range(self.start, self.rounds) if not self.settled(i, v)), None)
-            if v is not None and ("phase", i, v) not in busy and all(self.has_version(g, v) for g in self.groups.of_trainee[i]):
-                self.launch_phase(i, v)
-        for g, trainees in self.groups.members.items():  # each group's next outer step, once its phases are in
-            v = next((v for v in range(self.start, self.rounds) if (g, v + 1) not in self.ledger.versions), None)
-            if v is not None and ("step", g, v) not in busy and all(self.settled(i, v) for i in trainees):
-                self.launch_step(g, v)
-        v = self.next_round  # validations no phase makes: the last round, or a validator whose phase was dropped
-        for p, i in self.validator.items():
-            needed = v == self.rounds or (i, v) in self.ledger.dropped
-            if (needed and (p, v) not in self.ledger.val_loss and ("val", p, v) not in busy and (p, v) not in self.ledger.validated
-                    and all(self.has_version(g, v) for g in self.groups.of_trainee[i])):
-                files = {m: self.module_ref(m, v) for m in self.grid.path_modules(p)}
+        for kind, who, v in ready(self):
+            if kind == "phase":
+                self.launch_phase(who, v)
+            elif kind == "step":
+                self.launch_step(who, v)
+            else:
+                files = {m: self.module_ref(m, v) for m in self.grid.path_modules(who)}
                 task = _validate.options(**self.task_options).remote(
-                    self.store.run, self.store.lineage, self.shards_location, self.cfg, self.grid, p, self.val_sources[p],
-                    v, files, self.device)
-                self.inflight[task] = ("val", p, v)
+                    self.store.run, self.store.lineage, self.shards_location, self.cfg, self.grid, who,
+                    self.val_sources[who], v, files, self.device)
+                self.inflight[task] = ("val", who, v)
 
     # ----------------------------------------------------------------------------------------------- what tasks read
     def module_ref(self, m: str, v: int) -> dict:
@@ -301,7 +312,7 @@ class TaskQueue:
         path, sources = self.plan.trainees[i]
         state, exact = self.state_ref(i, v)
         files = {m: self.module_ref(m, v) for m in self.grid.path_modules(path)}
-        validate = v > self.start and self.validator.get(path) == i and (path, v) not in self.ledger.validated
+        validate = phase_validates(self, i, v)
         spec = PhaseSpec(self.store.run, self.store.lineage, self.shards_location, self.cfg, self.grid, i, path, sources, v,
                          self.schedule, files, state, exact, validate, self.val_sources[path], self.device)
         options = dict(self.task_options)
@@ -338,7 +349,12 @@ class TaskQueue:
             if isinstance(cause, DipacoError):
                 raise DipacoError(str(cause)) from None
             raise DipacoError(f"{describe(kind, who, v)} failed: {type(cause).__name__}: {cause}") from None
-        except ray.exceptions.RayError as exc:  # lost more often than a set ray.max_retries allows
+        except ray.exceptions.RayError as exc:
+            limited = self.cfg.ray.max_retries >= 0 and isinstance(exc, (ray.exceptions.WorkerCrashedError,
+                                                                         ray.exceptions.NodeDiedError))
+            if not limited:  # machines or the connection lost: not an error of the run (--keep-going waits)
+                raise ClusterUnreachable(f"{describe(kind, who, v)} was lost with its machines ({type(exc).__name__}); "
+                                         f"resume (--resume) when the cluster is back, or run with --keep-going") from None
             raise DipacoError(f"{describe(kind, who, v)} was lost {self.cfg.ray.max_retries + 1} times "
                               f"({type(exc).__name__}); check the cluster's workers, or set ray.max_retries=-1 "
                               f"(without limit, the default)") from None
@@ -402,66 +418,9 @@ class TaskQueue:
         self.store.storage.delete("queue")  # the last round is a checkpoint: the queue holds nothing more
 
     def val_losses(self, v: int) -> dict[str, float] | None:
-        """Every path's validation loss at version v, or None while one is still coming."""
-        out = {}
-        for p, i in self.validator.items():
-            if (p, v) not in self.ledger.val_loss:
-                try:
-                    loss = self.store.val_loss(v, p)
-                except Damaged:
-                    loss = None
-                if loss is None and (i, v) in self.ledger.done and self.ledger.phases[(i, v)]["record"]["val_loss"] is None:
-                    self.ledger.val_loss[(p, v)] = None  # its validation file is too short for one window, as in the sync engine
-                elif loss is None:
-                    return None
-                else:
-                    self.ledger.val_loss[(p, v)] = loss
-            if self.ledger.val_loss[(p, v)] is not None:
-                out[p] = self.ledger.val_loss[(p, v)]
-        return out
+        return val_losses(self, v)
 
     def log_round(self, v: int, val: dict[str, float]) -> None:
-        phases, by_trainee = [], []  # a dropped phase has no loss
-        for i in range(self.num_trainees):
-            tries = self.store.attempts(v - 1, i)
-            if (i, v - 1) in self.ledger.dropped:
-                phases.append({"trainee": i, "path": self.plan.paths[i], "dropped": True, "attempts": len(tries),
-                               "nodes": sorted({a["node"] for a in tries})})
-                by_trainee.append(None)
-                continue
-            info = self.ledger.phases[(i, v - 1)]["record"]
-            for rec in info["inner"]:
-                log(self.metrics, **rec)
-            by_trainee.append(info["train_loss"])
-            self.counts["retried"] += len(tries) > 1
-            phases.append({k: info[k] for k in ("trainee", "path", "node", "host", "pid", "load_s", "val_s", "compute_s",
-                                                "save_s", "bytes_sent", "bytes_loaded")} | {"attempts": len(tries)}
-                          | {k: info.get(k, 0) for k in ("storage_read", "storage_written", "state_cached", "replayed")})
-        losses = [x for x in by_trainee if x is not None]
-        steps = [self.ledger.steps[(g, v)]["record"] for g in self.groups.modules]
-        tokens = len(losses) * self.inner_steps * self.cfg.inner.batch_size * self.cfg.model.max_seq_len
-        # from the previous round's last outer step to this one's (phases of both rounds may overlap in between)
-        seconds = self.ledger.finished_at[v] - self.ledger.finished_at.get(v - 1, self.ledger.finished_at[self.start])
-        log(self.metrics, **round_line(
-            v, by_trainee, val, seconds, tokens, workers=int(ray.cluster_resources().get("CPU", 0)),
-            bytes_sent=sum(p.get("bytes_sent", 0) for p in phases), bytes_received=sum(s["bytes_received"] for s in steps),
-            engine="ray", bytes_loaded=sum(p.get("bytes_loaded", 0) for p in phases),
-            storage_read=sum(p.get("storage_read", 0) for p in phases) + sum(s.get("storage_read", 0) for s in steps),
-            storage_written=sum(p.get("storage_written", 0) for p in phases) + sum(s.get("storage_written", 0)
-                                                                                  for s in steps),
-            compute_s=mean_of(phases, "compute_s"), load_s=mean_of(phases, "load_s"), save_s=mean_of(phases, "save_s"),
-            dropped=[p["trainee"] for p in phases if p.get("dropped")], retried=[p["trainee"] for p in phases if p["attempts"] > 1],
-            phases=phases, steps=[{k: s[k] for k in ("group", "node", "pid", "seconds", "contributors")} for s in steps]))
-        self.metrics.flush()
+        losses = log_round(self, v, val, workers=int(ray.cluster_resources().get("CPU", 0)))
         push(self.local, self.store.storage, ["metrics.jsonl"])  # a run in a bucket: its metrics there too
         self.bar.set_postfix(round=v, loss=f"{sum(losses) / max(1, len(losses)):.3f}")
-
-
-def describe(kind: str, who, v: int) -> str:
-    return {"phase": f"phase (trainee {who}, round {v + 1})", "step": f"the outer step of {who} to round {v + 1}",
-            "val": f"the validation of path {who} at round {v}"}[kind]
-
-
-def mean_of(rows: list[dict], key: str) -> float | None:
-    values = [r[key] for r in rows if key in r]
-    return sum(values) / len(values) if values else None

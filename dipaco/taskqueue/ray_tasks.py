@@ -15,7 +15,7 @@ from typing import Callable
 import ray
 from ray.exceptions import RayTaskError
 
-from dipaco.taskqueue.ray_cluster import connect
+from dipaco.taskqueue.ray_cluster import connect, disconnect
 
 
 _preloading: threading.Thread | None = None  # per worker process
@@ -68,4 +68,4 @@ class RayTasks:
 
     def close(self) -> None:
         if self.started:
-            ray.shutdown()
+            disconnect()

@@ -12,13 +12,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from dipaco.config import TrainConfig, to_dict
+from dipaco.errors import DipacoError
 from dipaco.storage import checkpoint
 from dipaco.storage.objects import Storage, is_url
 from dipaco.taskqueue.taskstore import TaskStore, state_bytes, tensors_bytes
@@ -145,8 +148,54 @@ def pull_run(location: str | Path, rounds: str = "all", into: Path | None = None
     return local
 
 
+MIRROR_PREFIX = "dipaco-run-"
+
+
 def driver_mirror() -> Path:
-    return Path(tempfile.mkdtemp(prefix="dipaco-run-"))
+    """A new temporary folder for the driver's local view of a run in a bucket, named by the driver's pid. Every
+    exit of the driver removes its own (``driver_view``); the mirrors of drivers that were killed (no exit ran) are
+    removed by the next driver on this machine."""
+    root = Path(tempfile.gettempdir())
+    for old in root.glob(f"{MIRROR_PREFIX}*-*"):
+        pid = old.name[len(MIRROR_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{MIRROR_PREFIX}{os.getpid()}-"))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+@contextmanager
+def driver_view(location: str):
+    """The driver's run directory on this machine: the run itself when it is local, else a mirror of a bucket run's
+    small files, removed on every way out. A message about the run names the URL, never the mirror (a folder the
+    user has never seen, and that is gone by then). A local run folder this command created and left empty (it
+    could not start) is removed too."""
+    if not is_url(location):
+        folder = Path(location)
+        existed = folder.exists()
+        try:
+            yield folder
+        finally:
+            if not existed and folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        return
+    local = driver_mirror()
+    try:
+        pull_run(location, "meta", into=local)
+        yield local
+    except DipacoError as exc:
+        raise type(exc)(str(exc).replace(str(local), location)) from None
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
 
 
 def push(local: Path, storage: Storage, names: list[str]) -> None:

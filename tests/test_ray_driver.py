@@ -1,0 +1,190 @@
+"""The Ray driver's decisions without Ray (``dipaco.taskqueue.schedule``): what it launches, and what it says when a
+round lacks something no task will give it. A queue's view is the real ``Ledger`` and ``ModuleGroups`` over a fake
+store; the driver's loop on a real local Ray is in tests/test_ray_keep_going.py.
+
+The stuck state is the one a SIGKILLed driver's successor met on a bucket run: every phase and outer step of the round
+committed, the validator phase of a path committed, and that path's validation missing from storage. The loop then
+had nothing in flight, launched nothing and waited on nothing, forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from dipaco.errors import DipacoError
+from dipaco.taskqueue.schedule import missing, phase_validates, ready, val_losses
+from dipaco.taskqueue.taskstore import Damaged, Ledger, ModuleGroups
+
+PATHS = ["0-0", "0-1", "1-0", "1-1"]
+
+
+class FakeStore:
+    """Validation losses by (version, path); what a real TaskStore reads from RUN/queue/<lineage>/val."""
+
+    def __init__(self, vals: dict):
+        self.vals = vals
+        self.root = "queue/abc"
+        self.storage = SimpleNamespace(where=lambda key: f"s3://b/run/{key}")
+
+    def val_loss(self, v, path):
+        return self.vals.get((v, path))
+
+
+class Queue:
+    """The attributes of TaskQueue that the schedule reads, for a 2x2 grid with one trainee per path."""
+
+    def __init__(self, start=1, rounds=3, next_round=2, done=(), versions=(), vals=None, validated=(),
+                 records=None, inflight=None):
+        self.start, self.rounds, self.next_round, self.num_trainees = start, rounds, next_round, 4
+        groups = {"embed+head": [0, 1, 2, 3], "L0.E0": [0, 1], "L0.E1": [2, 3], "L1.E0": [0, 2], "L1.E1": [1, 3]}
+        self.groups = ModuleGroups({g: [g] for g in groups}, {g: g for g in groups}, groups,
+                                   [sorted(g for g, ts in groups.items() if i in ts) for i in range(4)])
+        records = records or {}
+        phases = {(i, v): {"record": records.get((i, v), {"val_loss": 4.0, "validated": True})} for i, v in done}
+        self.ledger = Ledger(phases, {}, set(), set(validated), set(done), set(versions), set(), {})
+        self.validator = {p: i for i, p in enumerate(PATHS)}
+        self.plan = SimpleNamespace(trainees=[(p, [p]) for p in PATHS])
+        self.store, self.damaged, self.awaiting = FakeStore(vals or {}), Damaged, set()
+        self.inflight = inflight or {}
+        self.checkpoints = {0, start}
+
+    def settled(self, i, v):
+        return (i, v) in self.ledger.done or (i, v) in self.ledger.dropped
+
+    def has_version(self, g, v):
+        return v == self.start or (g, v) in self.ledger.versions
+
+
+def stuck(**kw) -> Queue:
+    """Resumed from round 1: every phase of rounds 2 and 3 and every outer step to versions 2 and 3 committed; round
+    2's validations of paths 0-0 and 0-1 in storage, those of 1-0 and 1-1 not, though their phases validated."""
+    everything = {g: 0 for g in ("embed+head", "L0.E0", "L0.E1", "L1.E0", "L1.E1")}
+    return Queue(done=[(i, v) for i in range(4) for v in (1, 2)], versions=[(g, v) for g in everything for v in (2, 3)],
+                 vals={(2, "0-0"): 3.0, (2, "0-1"): 3.1}, validated=[("0-0", 2), ("0-1", 2)], **kw)
+
+
+def test_a_round_whose_committed_phase_left_no_validation_launches_it():
+    q = stuck()
+    assert ready(q) == []  # before the round is looked at, nothing is due: the state the old loop spun in
+    assert val_losses(q, 2) is None
+    assert q.awaiting == {("1-0", 2)}  # the first missing one stops the look; the next look finds the next
+    assert ready(q) == [("val", "1-0", 2)]
+    q.ledger.val_loss[("1-0", 2)] = 2.5  # it came back
+    assert val_losses(q, 2) is None and ready(q) == [("val", "1-1", 2)]
+    q.ledger.val_loss[("1-1", 2)] = 2.6
+    assert val_losses(q, 2) == {"0-0": 3.0, "0-1": 3.1, "1-0": 2.5, "1-1": 2.6}
+
+
+def test_a_phase_that_did_not_validate_is_not_read_as_a_path_too_short_to_validate():
+    q = stuck(records={(2, 2): {"val_loss": None, "validated": False}, (3, 2): {"val_loss": None, "validated": True}})
+    q.store.vals[(2, "1-0")] = None
+    assert val_losses(q, 2) is None and ("1-0", 2) in q.awaiting
+    q.ledger.val_loss[("1-0", 2)] = 2.5
+    assert val_losses(q, 2) == {"0-0": 3.0, "0-1": 3.1, "1-0": 2.5}  # 1-1 validated: too short for a window
+
+
+def test_a_validation_in_flight_or_in_storage_is_not_launched_twice():
+    q = stuck(inflight={"ref": ("val", "1-0", 2)})
+    val_losses(q, 2)
+    assert ready(q) == []
+    assert phase_validates(q, 2, 2) and not phase_validates(q, 0, 2)  # 0-0's is in storage
+    assert not phase_validates(Queue(start=2, next_round=3), 2, 2)  # the start version is a checkpoint's
+
+
+def test_the_last_round_and_a_dropped_validator_are_validated_by_tasks():
+    q = stuck(next_round=3)
+    assert sorted(ready(q)) == [("val", p, 3) for p in PATHS]
+    q = stuck()
+    q.ledger.done.discard((3, 2))
+    q.ledger.dropped.add((3, 2))
+    assert ("val", "1-1", 2) in ready(q)
+
+
+def test_what_nothing_will_give_is_named_in_one_line():
+    q = Queue(done=[(0, 1), (1, 1)], versions=[])  # trainees 2 and 3 never ran, and nothing says why
+    q.has_version = lambda g, v: v == 0  # as if version 1 were not there (a damaged checkpoint, say)
+    line = missing(q)
+    assert "\n" not in line and line.startswith("round 2 cannot finish: ")
+    assert "phase (trainee 2, round 2), whose modules L0.E1, L1.E0, embed+head lack version 1;" in line
+    assert "the outer step of embed+head to round 2" in line and line.count(";") == 4  # four named, then "and 7 more"
+    assert "remove s3://b/run/queue and resume (--resume)" in line and "round 1's checkpoint" in line
+
+
+def test_the_driver_ends_instead_of_spinning_when_nothing_can_finish_a_round(monkeypatch):
+    """The loop itself (``TaskQueue.run``), its launcher replaced by one that launches nothing, over a ledger that
+    lacks an outer step: with nothing in flight it looks once more after finishing what storage holds, then ends in
+    one line (the loop it replaces called ``ray.wait`` only with something in flight, and looped without sleeping)."""
+    ray_engine = pytest.importorskip("dipaco.taskqueue.ray_engine")
+    q = stuck()
+    for p in PATHS:
+        q.validator[p] = PATHS.index(p)
+    q.has_version = lambda g, v: v != 2 or g != "L1.E1"  # version 2 of L1.E1 lost: paths 0-1 and 1-1 cannot validate
+    q.ledger.versions.discard(("L1.E1", 2))
+    queue = ray_engine.TaskQueue.__new__(ray_engine.TaskQueue)
+    queue.__dict__.update(q.__dict__)
+    queue.settled, queue.has_version = q.settled, q.has_version
+    queue.bar, queue.metrics = SimpleNamespace(close=lambda: None), SimpleNamespace(close=lambda: None)
+    calls = []
+    monkeypatch.setattr(ray_engine.TaskQueue, "launch_ready", lambda self: calls.append(ready(self)))
+    monkeypatch.setattr(ray_engine.TaskQueue, "complete_rounds", lambda self: val_losses(self, self.next_round))
+    with pytest.raises(DipacoError, match=r"^round 2 cannot finish: .*the outer step of L1.E1 to round 2"):
+        queue.run()
+    assert len(calls) == 2  # looked, finished what storage holds, looked again: then one line, no third look
+
+
+# ------------------------------------------------------------------------------------------------ the lease
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _write_lease(folder, **fields) -> None:
+    import json
+    import socket
+
+    folder.mkdir(parents=True, exist_ok=True)
+    body = {"owner": "0" * 32, "host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time(), **fields}
+    (folder / "lease.json").write_text(json.dumps(body))
+
+
+def test_a_dead_or_stale_drivers_lease_is_taken_over_and_a_live_one_refused(tmp_path):
+    from dipaco.taskqueue.lease import EXPIRY_S, Lease
+
+    _write_lease(tmp_path / "a", pid=_dead_pid())  # this machine, its process gone: at once
+    with Lease(str(tmp_path / "a")) as lease:
+        assert json.loads((tmp_path / "a" / "lease.json").read_text())["owner"] == lease.owner
+    assert not (tmp_path / "a" / "lease.json").exists()  # released
+    _write_lease(tmp_path / "b", host="elsewhere", heartbeat=time.time() - EXPIRY_S - 1)  # another machine, silent
+    with Lease(str(tmp_path / "b")):
+        pass
+    _write_lease(tmp_path / "c", host="elsewhere")  # another machine, beating
+    with pytest.raises(DipacoError, match=r"is being trained by another driver \(host elsewhere"):
+        Lease(str(tmp_path / "c")).acquire()
+
+
+def test_a_folder_holding_only_a_dead_drivers_lease_is_dipacos(tmp_path, capsys):
+    """The first driver of a --keep-going run stopped before it wrote run.json: the next one must not call the lease
+    it left "files dipaco did not write"."""
+    from dipaco.cli.commands import main
+    from dipaco.taskqueue.lease import only_a_lease
+
+    out = tmp_path / "run"
+    _write_lease(out, pid=_dead_pid())
+    (out / "queue").mkdir()
+    assert only_a_lease(out)
+    rc = main(["train", "--shards", str(tmp_path / "no-shards"), "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "did not write" not in err and "no-shards" in err, err
+    (out / "notes.txt").write_text("mine")
+    assert not only_a_lease(out)
+    assert main(["train", "--shards", str(tmp_path / "no-shards"), "--out", str(out), "--quiet"]) == 2
+    assert "holds files dipaco did not write" in capsys.readouterr().err
