@@ -28,18 +28,20 @@ class Scorer:
         self.seq_len = run.config.model.max_seq_len
         self.cache: dict[tuple[str, int], dict[tuple[int, int], np.ndarray]] = {}
 
-    def ensure(self, segments: list[list[Segment]]) -> None:
-        """Compute every window any segment needs, loading each path model once."""
+    def missing(self, segments: list[list[Segment]]) -> dict[tuple[str, int], list[tuple[int, int]]]:
+        """{(path, round): [(document, window), ...]} that the segments need and the cache lacks."""
         need: dict[tuple[str, int], set[tuple[int, int]]] = {}
         for d, segs in enumerate(segments):
             for lo, hi, mix in segs:
                 for path, r, _ in mix:
                     need.setdefault((path, r), set()).update((d, j) for j in windows_for(lo, hi, self.seq_len))
-        for key in sorted(need):
+        todo = {key: sorted(need[key] - self.cache.get(key, {}).keys()) for key in sorted(need)}
+        return {key: windows for key, windows in todo.items() if windows}
+
+    def ensure(self, segments: list[list[Segment]]) -> None:
+        """Compute every window any segment needs, loading each path model once."""
+        for key, todo in self.missing(segments).items():
             have = self.cache.setdefault(key, {})
-            todo = sorted(need[key] - have.keys())
-            if not todo:
-                continue
             model = self.run.path_model(*key).model  # only this path's modules are loaded
             with tqdm(total=len(todo), desc=f"{self.run.root.name} path {key[0]} round {key[1]}", unit="win",
                       disable=not self.progress, dynamic_ncols=True, leave=False) as bar:
