@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dipaco import command_config as CC, config as C, shard_config as S
 from dipaco.cli.flags import Parser, add_flags, config_args, flags_of, set_arg
+from dipaco.cli.lm_eval_command import add_lm_eval_command
 from dipaco.cli.serve import add_serve_command
 from dipaco.errors import DipacoError
 from dipaco.storage.objects import Storage, is_url
@@ -325,9 +326,8 @@ def cmd_quickstart(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dipaco", description="Train modular language models the DiPaCo way.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    _add_pipeline_commands(sub)
-    add_serve_command(sub)
-    _add_tool_commands(sub)
+    for add in (_add_pipeline_commands, add_serve_command, _add_tool_commands, add_lm_eval_command):
+        add(sub)
     for p in sub.choices.values():
         p.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
