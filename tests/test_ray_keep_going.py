@@ -7,14 +7,18 @@ of 6 inner steps, compared bit for bit with the in-process engine's run of the s
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import tiny_train_config
-from test_ray_storage import H, assert_same_state, command, start, wait_for
+from dipaco.storage.objects import Storage
+from test_ray_storage import H, assert_same_state, attempts, bucket, command, local_copy, start, wait_for  # noqa: F401 (bucket: a fixture)
 
 ray = pytest.importorskip("ray", reason="the Ray engine needs the ray extra: pip install -e '.[ray]'")
 pytestmark = pytest.mark.slow
@@ -74,3 +78,85 @@ def test_a_resume_whose_round_lacks_a_committed_phases_validation_finishes(shard
     assert [r["round"] for r in mine] == [4]
     for key in ("storage_read", "storage_written"):
         assert summary[key] == mine[0][key] > 0, key
+
+
+# ------------------------------------------------------------------------------------------------ nothing left behind
+def holders(name: str) -> list[int]:
+    """Processes whose command line or open files name ``name`` (a Ray session: its agents rename themselves)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes() or any(
+                    name in os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if stat.rsplit(")", 1)[1].split()[0] != "Z":  # a zombie has ended (its parent has not reaped it yet)
+                out.append(pid)
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts processes through /proc")
+def test_a_killed_driver_and_a_killed_shard_command_leave_no_process(shards_2x2, corpus_file, tmp_path):
+    from test_ray_engine import first_attempt
+    from test_shard_engines import cli, wait_for as wait_for_file
+
+    out = tmp_path / "run"  # a driver with a local Ray of its own, SIGKILLed mid-phase
+    proc = start(command(shards_2x2, out, "--workers", "2", rounds=ROUNDS), env={"DIPACO_TEST_DELAY": "0:1:60"})
+    wait_for(lambda: first_attempt(out, 1, "trainee_0"), "phase (0, 1) to start", timeout=180)
+    session = Path(wait_for(lambda: glob.glob(f"/tmp/ray/session_*_{proc.pid}"), "its Ray session")[0]).name
+    assert len(holders(session)) >= 5  # GCS, raylet, agents, workers: what must end with it
+    proc.kill()
+    proc.communicate()
+    wait_for(lambda: not alive(holders(session)), f"every process of {session} to end", timeout=20)
+
+    shard_out = tmp_path / "shards"  # a shard command with two pool workers, SIGKILLed mid-block
+    proc = cli(corpus_file, shard_out, "--num-proc", "2", env={"DIPACO_SHARD_TEST_DELAY": "0:120"})
+    wait_for_file(tmp_path / ".shards.work" / "test-delay-000000.pid", proc)
+    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == proc.pid]
+    assert len(children) >= 2  # the pool's workers (and its resource tracker)
+    proc.kill()
+    proc.communicate()
+    wait_for(lambda: not alive(children), "the shard workers to end", timeout=20)
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def test_a_bucket_runs_mirror_is_never_named_and_never_left(shards_2x2, ray_cluster, bucket, tmp_path, tmp_path_factory):
+    """The driver's local mirror of an s3:// run: a refused --resume names the URL and leaves no folder; a SIGKILLed
+    driver's mirror (no exit code ran) is removed by the next driver, which resumes to the in-process run's bits."""
+    url, tmp = f"{bucket}/run", tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp), "DIPACO_TEST_DELAY": "1:1:60"}
+    proc = start(command(shards_2x2, url, address=ray_cluster.address, rounds=ROUNDS), env=env)
+    wait_for(lambda: attempts(Storage(url), 1, "trainee_1"), "phase (1, 1) to start", timeout=180)
+    assert [p.name.split("-")[2] for p in tmp.glob("dipaco-run-*")] == [str(proc.pid)]
+    proc.kill()
+    proc.communicate()
+    assert len(list(tmp.glob("dipaco-run-*"))) == 1  # SIGKILL: nothing of the driver ran
+
+    refused = subprocess.run(command(shards_2x2, url, "--grid", "1", address=ray_cluster.address, rounds=ROUNDS,
+                                     resume=True), capture_output=True, text=True, env={**os.environ, **env})
+    lines = [x for x in refused.stderr.splitlines() if x.strip()]
+    assert refused.returncode == 2 and len(lines) == 1 and f"{url}/config.toml" in lines[0], refused.stderr[-2000:]
+    assert "dipaco-run-" not in lines[0] and not list(tmp.glob("dipaco-run-*"))  # the killed one's too
+
+    finish(start(command(shards_2x2, url, address=ray_cluster.address, rounds=ROUNDS, resume=True), env=env))
+    assert not list(tmp.glob("dipaco-run-*"))
+    assert_same_state(reference(shards_2x2, tmp_path_factory), local_copy(url), rounds=ROUNDS)

@@ -6,7 +6,7 @@
   ``watch_local_ray``   the local Ray a driver starts (GCS, raylet, and the agents and workers the raylet starts,
                         which are not the driver's children and outlive a SIGKILLed driver): a small watcher in a
                         session of its own waits for the driver's end (the end of a pipe only the driver holds), then
-                        kills every process whose command line names that Ray session
+                        kills every process whose command line or open files name that Ray session
 
 Both are Linux-only; elsewhere they do nothing (``ray.shutdown`` and the pool's own shutdown still run on every
 exit that runs code).
@@ -37,27 +37,42 @@ def die_with_parent(parent: int) -> None:
 
 # The watcher: stdin is a pipe whose other end only the driver holds; EOF means the driver has ended.
 _WATCHER = r"""
-import os, signal, sys
+import os, signal, sys, time
 session = sys.argv[1]
 sys.stdin.buffer.read()
 me = os.getpid()
-for pid in filter(str.isdigit, os.listdir("/proc")):
+
+
+def of_session(pid):
+    # Ray's agents rename themselves (ray::DashboardAgent): their open log files still name the session
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            line = f.read().replace(b"\0", b" ").decode(errors="replace")
+            if session.encode() in f.read():
+                return True
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            if session in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                return True
     except OSError:
-        continue
-    if int(pid) != me and session in line:
+        pass
+    return False
+
+
+for _ in range(5):  # again, for a process started while the others were being killed
+    found = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me and of_session(p)]
+    for pid in found:
         try:
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+    if not found:
+        break
+    time.sleep(0.2)
 """
 
 
 def watch_local_ray(session: str) -> subprocess.Popen | None:
     """Start the watcher of a local Ray session (``session``: its name, e.g. ``session_2026-..._1234``, which every
-    process of that Ray has on its command line); the caller keeps the returned process's stdin open until its own
+    process of that Ray has on its command line or in the names of the log files it holds open); the caller keeps the returned process's stdin open until its own
     end (closing it earlier kills that Ray at once)."""
     if not sys.platform.startswith("linux") or not os.path.isdir("/proc") or not session:
         return None
