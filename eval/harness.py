@@ -41,7 +41,8 @@ try:
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError:
-    raise DipacoError('lm-evaluation-harness is not installed; install the eval extra: pip install -e ".[eval]"') from None
+    raise DipacoError('lm-evaluation-harness is not installed; install the eval extra: pip install -e ".[eval]"') \
+        from None
 
 from dipaco.eval.documents import shard_router
 from dipaco.eval.once_policy import route_once
@@ -104,8 +105,8 @@ class DipacoLM(TemplateLM):
                  **unknown):
         super().__init__()
         if unknown:
-            raise DipacoError(f"model_args {', '.join(sorted(unknown))} unknown to the dipaco model; it takes run, shards, "
-                              f"route_every, path, routing, rolling, round, max_memory, max_gen_toks")
+            raise DipacoError(f"model_args {', '.join(sorted(unknown))} unknown to the dipaco model; it takes run, "
+                              f"shards, route_every, path, routing, rolling, round, max_memory, max_gen_toks")
         if run is None:
             raise DipacoError("the dipaco model needs a run: --model_args run=RUN (a trained run directory)")
         if rolling not in ROLLING:
@@ -181,7 +182,8 @@ class DipacoLM(TemplateLM):
             return [self.rr.paths[0]] * len(texts)
         keys = list(dict.fromkeys(tuple(t[:self.context]) for t in texts))
         ids = [list(k) for k in keys]
-        picks = route_once(self.run, self.router, EngineScorer(self, ids, f"{desc}: routing"), ids, self.r, self.policy())
+        scorer = EngineScorer(self, ids, f"{desc}: routing")
+        picks = route_once(self.run, self.router, scorer, ids, self.r, self.policy())
         by_key = dict(zip(keys, picks))
         return [by_key[tuple(t[:self.context])] for t in texts]
 

@@ -47,8 +47,8 @@ def passages(tokenizer, docs: list[dict], passage: int, answer: int) -> list[dic
     for d in docs:
         ids = tokenizer(d["text"], add_special_tokens=False)["input_ids"]
         if len(ids) >= passage + answer:
-            out.append({"passage": tokenizer.decode(ids[:passage]), "answer": tokenizer.decode(ids[passage:passage + answer]),
-                        "domain": d.get("label")})
+            out.append({"passage": tokenizer.decode(ids[:passage]), "domain": d.get("label"),
+                        "answer": tokenizer.decode(ids[passage:passage + answer])})
     return out
 
 
@@ -84,12 +84,14 @@ def choice_task(folder: str | Path, tokenizer, docs: list[dict], passage: int = 
 
 
 def generation_task(folder: str | Path, tokenizer, docs: list[dict], passage: int = 48, answer: int = 16,
-                    name: str = "heldout_gen") -> str:
+                    name: str = "heldout_gen", until: tuple[str, ...] = ("\n",)) -> str:
+    """Greedy continuations of ``answer`` tokens at most, cut at the first of ``until``."""
     rows = [{"passage": p["passage"], "answer": p["answer"].split("\n")[0], "domain": p["domain"]}
             for p in passages(tokenizer, docs, passage, answer)]
     return _write(Path(folder), name, rows, 'output_type: generate_until\ndoc_to_text: "{{passage}}"\n'
-                  'doc_to_target: "{{answer}}"\ntarget_delimiter: ""\ngeneration_kwargs:\n  until: ["\\n"]\n'
-                  f'  max_gen_toks: {answer}\n  do_sample: false\nmetric_list:\n  - metric: exact_match\n')
+                  'doc_to_target: "{{answer}}"\ntarget_delimiter: ""\ngeneration_kwargs:\n'
+                  f'  until: {json.dumps(list(until))}\n  max_gen_toks: {answer}\n  do_sample: false\n'
+                  'metric_list:\n  - metric: exact_match\n')
 
 
 def heldout_tasks(shards_dir: str | Path, folder: str | Path, passage: int = 48, answer: int = 16, choices: int = 4,

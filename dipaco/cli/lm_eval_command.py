@@ -86,9 +86,9 @@ def cmd_lm_eval(args) -> None:
             tracker = EvaluationTracker(output_path=args.output_path)
             model_args = {"model": f"dipaco-{lm.run.root.resolve().name}", "run": str(lm.run.root), "path": args.path,
                           "route_every": args.route_every, "routing": args.routing, "rolling": args.rolling}
-            results = lm_eval.simple_evaluate(
+            results = lm_eval.simple_evaluate(  # log_samples always: the paths ride on the samples
                 model=lm, model_args={k: v for k, v in model_args.items() if v is not None}, tasks=tasks,
-                num_fewshot=args.num_fewshot, limit=limit, use_cache=args.use_cache, log_samples=True,  # the paths ride on the samples
+                num_fewshot=args.num_fewshot, limit=limit, use_cache=args.use_cache, log_samples=True,
                 gen_kwargs=args.gen_kwargs, task_manager=manager, evaluation_tracker=tracker,
                 random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
                 fewshot_random_seed=args.seed)
