@@ -2,6 +2,7 @@
 
     python bench/reproduce.py [--corpus shared default] [--out reproduce-out] [--scale full|tiny] [--jobs 2]
                               [--results docs/results/jobs] [--page docs/RESULTS.md] [--readme README.md] [--report-only]
+                              [--downstream]
 
 The papers' claims live in a regime: a dense start trained far past compute-optimal, then many outer rounds. Per
 corpus (the shared five-domain corpus; the default corpus `dipaco quickstart` builds, at a larger budget):
@@ -17,6 +18,9 @@ corpus (the shared five-domain corpus; the default corpus `dipaco quickstart` bu
            variant); the routed rows also: once by the run's saved once rule, every-W by the rule chosen on the router
            documents (its forward passes, its one-path variant), mixture, oracles; and the same on validation documents
   report   results.json, the page, the README's results lines, plots; the headline DiPaCo row chosen on validation
+  downstream  with --downstream (the eval extra): the held-out multiple-choice task (``dipaco.eval.harness_tasks``)
+           through lm-evaluation-harness, routed per question, for dense, dense 4x, the flat mixture and every headline
+           candidate; accuracy with the harness's standard error beside held-out perplexity (one job per row, after it)
 
 Every job (a training and its evaluations, or a pilot) ends by writing its durable result, a small JSON under
 --results (``docs/results/jobs/<corpus>/<job>.json`` at full scale: commit them). A later invocation, in another
@@ -60,6 +64,8 @@ def arguments(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--readme", type=Path, help="replace the results lines between <!-- results:begin --> and <!-- results:end --> "
                                                "(default: README.md when --page is docs/RESULTS.md)")
     p.add_argument("--report-only", action="store_true", help="write the report from the durable results alone; run nothing")
+    p.add_argument("--downstream", action="store_true", help="also the held-out multiple-choice task through "
+                   "lm-evaluation-harness for the rows of reproduce_corpus.DOWNSTREAM (the eval extra)")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: give at least 1 core")
@@ -83,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps({"time": round(time.time(), 1), **event}) + "\n")
 
     corpora = [Corpus(name, out, s, args.data, results) for name in args.corpus]
+    for c in corpora:
+        c.downstream = args.downstream
     every = [j for c in corpora for j in c.jobs()]
     todo = plan(every, results, out)  # pure: reads the durable results, computes fingerprints
     log({"event": "plan", "jobs": len(every), "to_run": [j.key for j in todo], "results": str(results),

@@ -21,6 +21,10 @@ CRITICAL, UNBLOCKS = 1e13, 1e12  # job weights: the start first, then what unblo
 PRIVATE = ["grid.private_embedding=true", "grid.private_blocks=[0, 3]"]
 HEADLINE = ("dipaco-2x2", "dipaco-2x2-private", "dipaco-2x2-overlap")  # the headline row is chosen among these
 CURVES = ("dense", "flat-4", "dipaco-2x2", "dipaco-2x2-private")       # evaluated every round (the lead plot)
+# --downstream: the rows scored on the held-out multiple-choice task through lm-evaluation-harness (every headline
+# candidate, so the headline row and the all-shared DiPaCo 2x2 are both there), and the task's shape
+DOWNSTREAM = ("dense", "dense-4x", "flat-4", *HEADLINE)
+DOWNSTREAM_TASK = {"passage": 48, "answer": 16, "choices": 4, "seed": 0}
 
 
 @dataclass
@@ -112,6 +116,7 @@ class Corpus:
         self.out = out / name
         self.runs = self.out / "runs"
         self.shard_dirs = {k: self.out / f"shards-{k}" for k in ("2x2", "4", "4x4", "iid", "2x2-overlap", "2x2-disc")}
+        self.downstream = False  # also the DOWNSTREAM rows' held-out multiple choice (bench/reproduce.py --downstream)
 
     def result(self, job: str) -> dict | None:
         """A job's durable result; once ``valid`` is set (after planning), only one whose fingerprint matches."""
@@ -158,7 +163,8 @@ class Corpus:
     def shards_needed(self, jobs: list[str]) -> set[str]:
         """The shardings these jobs read (2x2 always: it holds the one tokenizer, and the start trains on it)."""
         by = {sp.name: sp.shards for sp in self.specs()}
-        return {"2x2"} | {by[j] for j in jobs if by.get(j) in self.shard_plan()}
+        rows = [j.removeprefix("downstream-") for j in jobs]  # a downstream job reads its row's shards (router)
+        return {"2x2"} | {by[j] for j in rows if by.get(j) in self.shard_plan()}
 
     def make_shards(self, keys: set[str] | None = None) -> None:
         """The shardings (``keys``; all by default), one tokenizer and one seed (the same held-out, router and
@@ -339,6 +345,11 @@ class Corpus:
             jobs.append(Job(n, sp.name, lambda sp=sp: {**base, **self.row_spec(sp)}, deps=deps, needs=["start", *sp.needs],
                             artifact=done(self.runs / sp.name, sp.rounds), slots=min(2, sp.workers),
                             weight=sp.trainees * sp.rounds * sp.H))
+        for sp in (sp for sp in self.specs() if self.downstream and sp.name in DOWNSTREAM):
+            step = {"op": "downstream", "key": "heldout_choice", "shards": str(self.shard_dirs[sp.shards]), **DOWNSTREAM_TASK}
+            jobs.append(Job(n, f"downstream-{sp.name}", lambda sp=sp, step=step: {
+                **base, "command": None, "run": str(self.runs / sp.name), "steps": [step], "record": {"row": sp.name}},
+                deps=[sp.name], needs=[sp.name]))
         return jobs
 
 

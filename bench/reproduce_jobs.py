@@ -194,6 +194,8 @@ def unit_child(spec: dict) -> None:
     for step in spec.get("steps", []):
         if step["op"] == "window_router":
             window = _fit_window_router(run, step)
+        elif step["op"] == "downstream":
+            evals[step["key"]] = _downstream(run, step)
         else:
             evals[step["key"]] = _evaluate(run, step)
     data = {"fingerprint": spec["fingerprint"], "job": spec["job"], "corpus": spec["corpus"], "protocol": store.PROTOCOL,
@@ -241,6 +243,37 @@ def _fit_window_router(run: Path, step: dict) -> dict:
             "loss_document_path", "loss_oracle")
     policy = json.loads((folder / "policy.json").read_text()) if (folder / "policy.json").is_file() else {}
     return {**{k: rep.get(k) for k in keep}, "policy": {k: policy.get(k) for k in ("name", "reason", "scores")}}
+
+
+def _downstream(run: Path, step: dict) -> dict:
+    """The held-out multiple-choice task (``dipaco.eval.harness_tasks.choice_task``) through lm-evaluation-harness,
+    every question routed by its passage (``dipaco.eval.harness``): accuracy with the harness's standard error."""
+    import tempfile
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from dipaco.eval.harness import DipacoLM, add_paths
+    from dipaco.eval.harness_tasks import choice_task
+    from dipaco.storage.shards import ShardSet
+
+    shards = ShardSet(step["shards"])
+    lm = DipacoLM(run=str(run), shards=step["shards"], progress=False)
+    try:
+        with tempfile.TemporaryDirectory(prefix="dipaco-downstream-") as tmp:
+            name = choice_task(tmp, shards.tokenizer(), shards.heldout(), step["passage"], step["answer"], step["choices"],
+                               step["seed"])
+            res = lm_eval.simple_evaluate(model=lm, tasks=[name], log_samples=True, random_seed=0, numpy_random_seed=0,
+                                          torch_random_seed=0, fewshot_random_seed=0,
+                                          task_manager=TaskManager(include_path=tmp, include_defaults=False))
+    finally:
+        lm.close()
+    add_paths(res, lm)
+    r = res["results"][name]
+    return {"task": name, **{k: step[k] for k in ("passage", "answer", "choices", "seed")},
+            "questions": len(res["samples"][name]), "routing": res["dipaco"]["routing"],
+            "requests_per_path": res["dipaco"]["requests_per_path"][name],
+            **{m: float(r[f"{m},none"]) for m in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}}
 
 
 def _round_rows(run: Path | None) -> list[dict]:

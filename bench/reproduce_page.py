@@ -124,12 +124,35 @@ def corpus_block(name: str, res: dict, s: Scale, pictures: dict[str, str]) -> st
         lines += ["", "Held-out perplexity per domain:", "", "| run | " + " | ".join(labels) + " |", "| --- |" + " ---: |" * len(labels)]
         lines += [f"| {r['label']} | " + " | ".join(fmt(r["per_label"].get(k)) for k in labels) + " |"
                   for r in res["runs"].values() if r.get("per_label")]
+    lines += downstream_table(res)
     lines += ["", "Expectations:", "", "| id | claim | held? | measured |", "| --- | --- | --- | --- |"]
     lines += [f"| `{e['id']}` | {e['claim']} | {held(e)} | {e['measured']} |" for e in res["expectations"]]
     for key, alt in (("lead", "per-round held-out perplexity and lead over dense"), ("rounds", "held-out perplexity over training")):
         if pictures.get(key):
             lines += ["", f"![{alt}]({pictures[key]})"]
     return "\n".join(lines) + "\n"
+
+
+def downstream_table(res: dict) -> list[str]:
+    """The held-out multiple-choice task through lm-evaluation-harness (bench/reproduce.py --downstream)."""
+    rows = res.get("downstream") or {}
+    if not rows:
+        return []
+    t = next((r for r in rows.values() if "task" in r), {"passage": "P", "answer": "A", "choices": "K"})
+    head = (res.get("headline") or {}).get("run")
+    lines = ["", f"Downstream (lm-evaluation-harness, `dipaco lm-eval`): a held-out document's first {t['passage']} "
+                 f"tokens and {t['choices']} continuations of {t['answer']} tokens, its own and those at the same place "
+                 f"of other held-out documents of the same domain; each question routed by its passage, every choice by "
+                 f"that path (chance: 1/{t['choices']}). Accuracy ± the harness's standard error:", "",
+             "| run | held-out ppl | accuracy | length-normalised accuracy | questions |", "| --- | ---: | ---: | ---: | ---: |"]
+    for n, r in rows.items():
+        label = r["label"] + (" (headline)" if n == head else "")
+        if "acc" not in r:
+            lines.append(f"| {label} | {fmt(r.get('perplexity'))} | {MISSING} | | |")
+            continue
+        lines.append(f"| {label} | {fmt(r.get('perplexity'))} | {r['acc']:.3f} ± {r['acc_stderr']:.3f} | "
+                     f"{r['acc_norm']:.3f} ± {r['acc_norm_stderr']:.3f} | {r['questions']} |")
+    return lines
 
 
 def page(results: dict, s: Scale, pictures: dict[str, dict[str, str]], command: str) -> str:

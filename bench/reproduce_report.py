@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
-from reproduce_corpus import CURVES, HEADLINE, PAPER_OUTER, Corpus, Scale, paths_of, pretrain_tokens_per_step
+from reproduce_corpus import CURVES, DOWNSTREAM, HEADLINE, PAPER_OUTER, Corpus, Scale, paths_of, pretrain_tokens_per_step
 
 MISSING = "not yet run"
 
@@ -46,8 +46,15 @@ def collect(c: Corpus) -> dict:
     cands = {n: res["runs"][n]["val_perplexity"] for n in HEADLINE if res["runs"][n].get("val_perplexity") is not None}
     res["headline"] = {"run": min(cands, key=cands.get), "chosen_on_validation": cands} if len(cands) == len(HEADLINE) else None
     res["lead"] = _lead(res["runs"])
+    res["downstream"] = {n: _downstream(c, n, res["runs"][n]) for n in DOWNSTREAM} if c.downstream else {}
     res["expectations"] = expectations(res, s)
     return res
+
+
+def _downstream(c: Corpus, name: str, row: dict) -> dict:
+    """A row of the downstream table: the row's held-out perplexity beside its multiple-choice accuracy."""
+    kept = ((c.result(f"downstream-{name}") or {}).get("evals") or {}).get("heldout_choice")
+    return {"label": row["label"], "perplexity": row.get("perplexity"), **(kept or {"status": MISSING})}
 
 
 def _row(c: Corpus, sp, start_ppl: float | None) -> dict:

@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -132,6 +133,17 @@ def test_choices_of_a_question_share_the_path_of_their_context(setup):
     counts = results["dipaco"]["requests_per_path"]
     assert sum(counts["heldout_choice"].values()) == 4 * len(firsts) and "prefix-loss" in results["dipaco"]["routing"]
     assert sum(counts["heldout_gen"].values()) == len(results["samples"]["heldout_gen"])
+
+    # the results page's downstream step (bench/reproduce.py --downstream) scores the same questions the same way
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from reproduce_corpus import DOWNSTREAM_TASK
+    from reproduce_jobs import _downstream
+
+    step = {"op": "downstream", "key": "heldout_choice", "shards": str(setup["shards"]), **DOWNSTREAM_TASK}
+    row = _downstream(setup["run"], step)
+    assert row["questions"] == len(firsts) and sum(row["requests_per_path"].values()) == 4 * len(firsts)
+    for metric in ("acc", "acc_stderr", "acc_norm"):
+        assert row[metric] == pytest.approx(results["results"]["heldout_choice"][f"{metric},none"])
 
 
 def test_lm_eval_command_writes_paths_and_answers_from_the_cache(setup, tmp_path, monkeypatch, capsys):

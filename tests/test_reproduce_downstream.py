@@ -1,0 +1,89 @@
+"""bench/reproduce.py --downstream on synthetic durable results (fast tier): the downstream jobs (the held-out
+multiple-choice task through lm-evaluation-harness, one per row of DOWNSTREAM) are planned after their rows, re-run
+with them, and their accuracy lands beside the row's perplexity on the page."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import reproduce_store as store  # noqa: E402
+from reproduce_corpus import DOWNSTREAM, DOWNSTREAM_TASK, SCALES, Corpus  # noqa: E402
+from reproduce_jobs import plan, valid  # noqa: E402
+from reproduce_page import page  # noqa: E402
+from reproduce_report import MISSING, collect, results_json  # noqa: E402
+from test_reproduce_report import fake_result  # noqa: E402
+
+S = SCALES["tiny"]
+ACC = {"dense": 0.30, "dense-4x": 0.35, "flat-4": 0.40, "dipaco-2x2": 0.45, "dipaco-2x2-private": 0.50,
+       "dipaco-2x2-overlap": 0.42}
+
+
+def fake(c: Corpus, job, fp: str) -> dict:
+    if not job.name.startswith("downstream-"):
+        return fake_result(c, job, fp)
+    row = job.name.removeprefix("downstream-")
+    evals = {"heldout_choice": {"task": "heldout_choice", **DOWNSTREAM_TASK, "questions": 40, "acc": ACC[row],
+                                "acc_stderr": 0.07, "acc_norm": ACC[row] - 0.05, "acc_norm_stderr": 0.07,
+                                "routing": "once", "requests_per_path": {"0-0": 160}}}
+    return {"fingerprint": fp, "job": job.name, "corpus": c.name, "record": {"row": row}, "rounds": [], "run_info": {},
+            "evals": evals}
+
+
+def simulate(c: Corpus, results: Path, out: Path) -> list:
+    for _ in range(12):
+        jobs = c.jobs()
+        ready = [j for j in plan(jobs, results, out) if j.durable and j.fp and store.load(results, c.name, j.name, j.fp) is None]
+        if not ready:
+            return jobs
+        for j in ready:
+            store.save(results, c.name, j.name, fake(c, j, j.fp))
+    raise AssertionError("planning did not converge")
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    data = tmp_path / "corpus.jsonl"
+    data.write_text('{"text": "x"}\n')
+    c = Corpus("default", tmp_path / "out", S, data, tmp_path / "jobs")
+    c.downstream = True
+    return c
+
+
+def test_downstream_jobs_follow_their_rows_and_land_on_the_page(corpus, tmp_path):
+    out, results = tmp_path / "out", tmp_path / "jobs"
+    jobs = {j.name: j for j in corpus.jobs()}
+    for row in DOWNSTREAM:
+        job = jobs[f"downstream-{row}"]
+        assert job.deps == [row] and job.needs == [row]
+        spec = job.spec()
+        assert spec["command"] is None and spec["run"].endswith(f"runs/{row}") and spec["steps"][0]["op"] == "downstream"
+    assert corpus.shards_needed(["downstream-flat-4"]) == {"2x2", "4"}  # the flat mixture's router is in shards-4
+    assert not any(n.startswith("downstream-") for n in (j.name for j in Corpus(
+        "default", out, S, corpus.data, results).jobs()))  # only with --downstream
+
+    jobs = simulate(corpus, results, out)
+    assert plan(jobs, results, out) == []
+    # a row lost with its run directory: it re-trains (and the start it continues from), its downstream job follows
+    (results / "default" / "flat-4.json").unlink()
+    assert {j.name for j in plan(corpus.jobs(), results, out)} == {"flat-4", "start", "downstream-flat-4"}
+
+    jobs = simulate(corpus, results, out)
+    corpus.valid = valid(jobs, results)["default"]
+    res = collect(corpus)
+    assert res["downstream"]["dipaco-2x2-private"]["acc"] == 0.50
+    assert res["downstream"]["flat-4"]["perplexity"] == res["runs"]["flat-4"]["perplexity"]
+    text = page(results_json([corpus], {"default": res}, "tiny", S), S, {}, "python bench/reproduce.py --downstream")
+    table = text.split("Downstream (lm-evaluation-harness")[1].split("Expectations:")[0]
+    assert "| DiPaCo 2x2, private embedding and blocks 0, 3 (headline) | 28.20 | 0.500 ± 0.070 | 0.450 ± 0.070 | 40 |" in table
+    assert table.count("\n| ") == 2 + len(DOWNSTREAM) and MISSING not in table
+
+    (results / "default" / "downstream-dense.json").unlink()  # a downstream result missing: its row says so
+    plan(jobs, results, out)  # (fingerprints)
+    corpus.valid = valid(jobs, results)["default"]
+    text = page(results_json([corpus], {"default": collect(corpus)}, "tiny", S), S, {}, "x")
+    assert f"| dense (same steps as one trainee) | 30.00 | {MISSING} | | |" in text
