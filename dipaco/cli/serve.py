@@ -90,7 +90,15 @@ def cmd_serve(args) -> None:
     print(f"dipaco serve: {engine.name} ({len(engine.paths)} paths; routing: {engine.routing_cost()}; module budget "
           f"{engine.budget / 1e9:.2f} GB) on http://{host}:{port}/v1", flush=True)
     config = uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=30, lifespan="off")
+
+    class Graceful(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            server.closing = True
+            self._captured_signals.clear()  # SIGTERM ends the server once its requests are answered: then exit 0
+
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        Graceful(config).run(sockets=[sock])
     finally:
         engine.close()
+    print(f"dipaco serve: stopped; requests in flight were answered", file=sys.stderr)

@@ -37,6 +37,7 @@ class Server:
         self.pending = 0  # choices accepted and not finished (routing included)
         self.closing = False
         metrics.gauge("dipaco_queue_depth", "choices accepted and not finished", lambda: self.pending)
+        metrics.gauge("dipaco_batcher_jobs", "jobs in the batcher, waiting or running", lambda: engine.batcher.in_flight)
         metrics.gauge("dipaco_resident_module_bytes", "bytes of the modules held in memory",
                       lambda: engine.cache.resident_bytes)
         metrics.gauge("dipaco_memory_budget_bytes", "the --max-memory budget for modules", lambda: engine.budget)
@@ -166,7 +167,7 @@ class Server:
         runs = [(i * req.sampling.n + k, x, p, how, req.prompts[i])
                 for i, (x, (p, how)) in enumerate(zip(ids, routes)) for k in range(req.sampling.n)]
         if req.sampling.stream:
-            return StreamingResponse(self._stream(rid, req.model, runs, req.sampling, reserved, endpoint),
+            return ClosingStream(self._stream(rid, req.model, runs, req.sampling, reserved, endpoint),
                                      media_type="text/event-stream", headers=headers)
         try:
             choices = await self._gather(request, runs, req.sampling)
@@ -189,7 +190,7 @@ class Server:
                 status, payload, lines = await self.upstreams.forward(raw, endpoint, *routes[0])
                 if lines is not None:
                     self.metrics.request(endpoint, 200)
-                    return StreamingResponse(lines, media_type="text/event-stream", headers=headers)
+                    return ClosingStream(lines, media_type="text/event-stream", headers=headers)
                 self.metrics.request(endpoint, status)
                 return JSONResponse(payload, status_code=status, headers=headers)
             if req.sampling.stream:
@@ -310,11 +311,11 @@ class Server:
                 yield f"data: {json.dumps(chunk)}\n\n"
             yield "data: [DONE]\n\n"
             self.metrics.request(endpoint, 200)
-        finally:  # the client left, or we are done: stop every choice still running
+        finally:  # the client left, or we are done: stop every choice still running. No await here: when the client
+            # left, this runs inside a cancelled task group, where any await is cancelled again at once
+            self.pending -= reserved
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            self.pending -= reserved
 
     # ------------------------------------------------------------------ chat
     async def chat(self, request: Request) -> Response:
@@ -353,6 +354,17 @@ class Server:
         return JSONResponse(out, headers=headers)
 
 
+class ClosingStream(StreamingResponse):
+    """A stream whose generator is always closed, also when the client leaves mid-way (Starlette stops iterating
+    then, and a generator left suspended would hold its rows and queue places until garbage collection)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 class _Rebodied(Request):
     """The same request (headers, connection) with another JSON body."""
 
@@ -363,18 +375,21 @@ class _Rebodied(Request):
 
 async def _chat_chunks(chunks):
     first = True
-    async for line in chunks:
-        if not line.startswith("data: {"):
-            yield line
-            continue
-        chunk = json.loads(line[6:])
-        chunk["object"], chunk["id"] = "chat.completion.chunk", chunk["id"].replace("cmpl", "chatcmpl")
-        for c in chunk["choices"]:
-            text = c.pop("text")
-            c.pop("logprobs", None)
-            c["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
-        first = False
-        yield f"data: {json.dumps(chunk)}\n\n"
+    try:
+        async for line in chunks:
+            if not line.startswith("data: {"):
+                yield line
+                continue
+            chunk = json.loads(line[6:])
+            chunk["object"], chunk["id"] = "chat.completion.chunk", chunk["id"].replace("cmpl", "chatcmpl")
+            for c in chunk["choices"]:
+                text = c.pop("text")
+                c.pop("logprobs", None)
+                c["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
+            first = False
+            yield f"data: {json.dumps(chunk)}\n\n"
+    finally:
+        await chunks.aclose()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
