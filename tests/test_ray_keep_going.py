@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,86 @@ def test_a_bucket_runs_mirror_is_never_named_and_never_left(shards_2x2, ray_clus
     finish(start(command(shards_2x2, url, address=ray_cluster.address, rounds=ROUNDS, resume=True), env=env))
     assert not list(tmp.glob("dipaco-run-*"))
     assert_same_state(reference(shards_2x2, tmp_path_factory), local_copy(url), rounds=ROUNDS)
+
+
+# ------------------------------------------------------------------------------------------------ a head of its own
+class Head:
+    """A Ray head as a user starts one: `RAY_AUTH_MODE=token ray start --head --block` on a fixed port, stopped
+    (SIGTERM, as a service manager does) and started again on the same port."""
+
+    def __init__(self, port: int, log: Path):
+        self.port, self.log, self.proc = port, log, None
+        self.address = f"127.0.0.1:{port}"
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token"}
+
+    def start(self) -> None:
+        from dipaco.taskqueue.ray_cluster import reachable
+
+        ray_cli = Path(sys.executable).with_name("ray")
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen([str(ray_cli), "start", "--head", "--port", str(self.port), "--num-cpus", "2",
+                                          "--node-ip-address", "127.0.0.1", "--include-dashboard", "false",
+                                          "--disable-usage-stats", "--block"], env=self.env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(lambda: reachable(self.address) is None and "--block" in self.log.read_text().split("Ray runtime started")[-1],
+                 "the head to start", timeout=60)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    from dipaco.training.launch import free_port
+
+    h = Head(free_port(), tmp_path_factory.mktemp("head") / "head.log")
+    h.start()
+    yield h
+    h.stop()
+
+
+def test_a_token_missing_or_wrong_is_one_line_within_seconds_and_writes_nothing(shards_2x2, head, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    for extra, says in (({}, "requires a token and this command has none"),
+                        ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 32}, "refused this command's token")):
+        out = tmp_path / f"run{len(extra)}"
+        began = time.time()
+        done = subprocess.run(command(shards_2x2, out, address=head.address), capture_output=True, text=True,
+                              env={**env, **extra}, timeout=120)
+        lines = [x for x in done.stderr.splitlines() if x.strip()]
+        assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+        assert lines[0].startswith("dipaco train: error: ") and says in lines[0] and "RAY_AUTH_TOKEN" in lines[0]
+        assert time.time() - began < 30 and not out.exists()  # Ray alone retried for 20 s, a warning a second
+    with_keep_going = subprocess.run(command(shards_2x2, tmp_path / "kg", "--keep-going", address=head.address),
+                                     capture_output=True, text=True, env=env, timeout=120)
+    assert with_keep_going.returncode == 2 and "requires a token" in with_keep_going.stderr  # not a loss: it ends
+    assert not (tmp_path / "kg").exists()
+
+
+def test_keep_going_waits_out_a_head_stopped_and_restarted(shards_2x2, head, tmp_path, tmp_path_factory):
+    """`ray stop` of the head mid-run (round 2 under way) and `ray start --head` again on the same port a little
+    later: the supervisor waits (one line), says when the cluster is back (one line), and a new driver resumes
+    from storage to the in-process run's bits."""
+    out = tmp_path / "run"
+    delays = ",".join(f"{i}:1:20" for i in range(4))  # round 2's first attempts sleep: the head stops under them
+    proc = start(command(shards_2x2, out, "--keep-going", address=head.address, rounds=ROUNDS),
+                 env={"RAY_AUTH_MODE": "token", "DIPACO_TEST_DELAY": delays})
+    wait_for(lambda: (out / "checkpoints" / "round_1").is_dir() and len(list(out.glob("queue/*/attempts/1/trainee_*"))) >= 2,
+             "round 2 to start", timeout=240)
+    head.stop()
+    stopped = time.time()
+    time.sleep(10)
+    head.start()
+    restarted = time.time()
+    wait_for(lambda: (out / "checkpoints" / "round_2").is_dir(), "round 2 after the restart", timeout=240)
+    recovered = time.time()
+    _, err = finish(proc, timeout=300)
+    assert_same_state(reference(shards_2x2, tmp_path_factory), out, rounds=ROUNDS)
+    assert err.count("waiting for the Ray cluster") == 1 and err.count("answers again") == 1, err[-3000:]
+    assert "error" not in err, err[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows if r["kind"] == "round"] == [1, 2, 3]
+    print(f"\nhead down {restarted - stopped:.1f} s; round 2 checkpointed {recovered - restarted:.1f} s after the "
+          f"restart\n{err}")

@@ -11,11 +11,14 @@ ray; the other is ``dipaco.taskqueue.ray_engine``, and the sharding engine's Ray
                       ``ray.init`` is given a deadline. A connection without token authentication
                       (``RAY_AUTH_MODE=token``, Ray 2.52 or later) works and warns once per process tree.
 
-``ClusterUnreachable`` (a DipacoError) says the cluster could not be reached: ``--keep-going`` waits for it.
+A token missing or other than the cluster's is refused in one line, within a second, before ``ray.init`` (an
+error of the command, not of the cluster: ``--keep-going`` ends on it). ``ClusterUnreachable`` (a DipacoError) says
+the cluster could not be reached: ``--keep-going`` waits for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -31,6 +34,7 @@ from dipaco.taskqueue.children import watch_local_ray
 _LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _WARNED = "DIPACO_RAY_AUTH_WARNED"  # the warning is given once per process tree (a --keep-going parent tells its children)
 INIT_DEADLINE_S = 45.0
+TOKEN_PROBE_S = 10.0
 _watcher = None  # the watcher of the local Ray this process started (dipaco.taskqueue.children.watch_local_ray)
 
 
@@ -87,6 +91,7 @@ def connect(address: str = "", cpus: int | None = None, env: dict | None = None)
     why = reachable(address)
     if why:
         raise ClusterUnreachable(f"no Ray cluster answers at --address {address} ({why}); {start_hint(address)}")
+    _check_token(ray, address)
     _init_with_deadline(ray, address, opts)
     if os.environ.get("RAY_AUTH_MODE", "").lower() != "token" and not os.environ.get(_WARNED):
         os.environ[_WARNED] = "1"
@@ -94,6 +99,54 @@ def connect(address: str = "", cpus: int | None = None, env: dict | None = None)
               f"reaches its ports can run code on it; start it (and this command) with RAY_AUTH_MODE=token "
               f"(README: Ray clusters)", file=sys.stderr)
     return {"address": ray.get_runtime_context().gcs_address, "local": False}
+
+
+def _check_token(ray, address: str) -> None:
+    """One GCS request with this process's token settings, before ``ray.init``: a token missing or other than the
+    cluster's is one line within a second (``ray.init`` would retry for its whole deadline, a warning a second)."""
+    try:
+        from ray._raylet import GcsClient  # Ray's own client: it sends the token as ray.init would
+    except ImportError:
+        return
+    if split_address(address) is None:
+        return
+    result: list = []
+
+    def probe():
+        try:
+            GcsClient(address=address)
+            result.append(None)
+        except BaseException as exc:  # handed to the caller's thread
+            result.append(exc)
+
+    with _quiet_stderr():  # Ray's native client logs the refusal itself, once, before raising it
+        t = threading.Thread(target=probe, daemon=True, name="ray-token-probe")
+        t.start()
+        t.join(TOKEN_PROBE_S)
+    if not (result and isinstance(result[0], getattr(ray.exceptions, "AuthenticationError", ()))):
+        return  # answered, or not in time, or another failure: ray.init decides, within its deadline
+    where = f"the Ray cluster at --address {address}"
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        raise DipacoError(f"{where} requires a token and this command has none (RAY_AUTH_MODE is not 'token'): run it "
+                          f"with RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN (`ray get-auth-token` "
+                          f"prints it on the head machine) or in ~/.ray/auth_token")
+    raise DipacoError(f"{where} refused this command's token (from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+                      f"~/.ray/auth_token): it is not the cluster's; set RAY_AUTH_TOKEN to the token "
+                      f"`ray get-auth-token` prints on the head machine")
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _init_with_deadline(ray, address: str, opts: dict) -> None:
