@@ -188,3 +188,82 @@ def test_a_folder_holding_only_a_dead_drivers_lease_is_dipacos(tmp_path, capsys)
     assert not only_a_lease(out)
     assert main(["train", "--shards", str(tmp_path / "no-shards"), "--out", str(out), "--quiet"]) == 2
     assert "holds files dipaco did not write" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ the supervisor
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def time(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+
+def test_a_long_outage_is_said_when_it_begins_once_a_minute_and_when_it_ends(monkeypatch, capsys):
+    from dipaco.taskqueue import supervise
+
+    clock, answers = FakeClock(), iter(["Connection refused"] * 75 + [None])  # 75 probes, 2 s apart: 150 s
+    monkeypatch.setattr(supervise, "time", clock)
+    monkeypatch.setattr(supervise, "reachable", lambda address: next(answers))
+    assert supervise._wait_for("10.0.0.5:6379", {"signal": None})
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 4 and all(x.startswith("dipaco train: ") for x in lines), lines
+    assert "waiting for the Ray cluster at 10.0.0.5:6379 (Connection refused)" in lines[0]
+    assert "(for 60 s)" in lines[1] and "(for 120 s)" in lines[2]
+    assert "answers again after 150 s; resuming from storage" in lines[3]
+
+
+def test_a_driver_that_ray_ended_is_restarted_and_one_that_keeps_crashing_is_not(monkeypatch, capsys):
+    """Exit codes as the supervisor sees them: 0 done, 2 an error of the run, 75 the cluster lost, -9 / 1 a driver
+    ended by Ray (its head gone) or crashing."""
+    from dipaco.taskqueue import supervise
+
+    started = []
+
+    class Child:
+        def __init__(self, cmd, env):
+            started.append(cmd)
+            self.returncode = codes.pop(0)
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(supervise.subprocess, "Popen", Child)
+    monkeypatch.setattr(supervise, "reachable", lambda address: None)
+    monkeypatch.setattr(supervise.signal, "signal", lambda *a: None)
+    codes = [-9, 75, 1, 0]
+    assert supervise.supervise(["train", "--out", "r"], "h:1", lambda: True) == 0
+    assert len(started) == 4 and all(c[-1] == "--resume" for c in started)
+    codes = [-9, 2]
+    assert supervise.supervise(["train"], "h:1", lambda: False) == 2  # the run's own error: it ends at once
+    codes = [1] * 5 + [0]
+    assert supervise.supervise(["train"], "h:1", lambda: False) == 1
+    assert "ended 5 times in a row within 60 s (exit code 1)" in capsys.readouterr().err and codes == [0]
+
+
+def test_a_driver_waiting_on_machines_says_so_once_a_minute(monkeypatch, capsys):
+    ray_engine = pytest.importorskip("dipaco.taskqueue.ray_engine")
+    q = ray_engine.TaskQueue.__new__(ray_engine.TaskQueue)
+    now = time.time()
+    q.task_options, q.inflight = {"num_cpus": 1}, {"a": ("phase", 2, 1), "b": ("step", "L0.E1", 1)}
+    cluster = {"CPU": 0.0}
+    monkeypatch.setattr(ray_engine.ray, "cluster_resources", lambda: cluster)
+    clock = [now + 30]
+    monkeypatch.setattr(ray_engine.time, "time", lambda: clock[0])
+    q.progress_at = q.said_at = now
+    q.say_waiting()
+    assert capsys.readouterr().err == ""  # 30 s: not yet
+    clock[0] = now + 61
+    q.say_waiting()
+    clock[0] = now + 90
+    q.say_waiting()  # said 29 s ago
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "waiting for machines: nothing came back for 61 s" in err[0] and "0 CPU" in err[0], err
+    assert "phase (trainee 2, round 2)" in err[0] and "add nodes" in err[0]
+    cluster["CPU"] = 2.0  # machines enough: phases just take long; nothing to say
+    clock[0] = now + 200
+    q.say_waiting()
+    assert capsys.readouterr().err == ""
