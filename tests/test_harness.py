@@ -94,12 +94,15 @@ def test_a_dense_run_and_a_pinned_path_give_what_hf_gives_on_the_export(setup, w
 
     export = setup["root"] / f"export-{which}"
     load(setup[which]).export(path or "0", export)
-    tasks = ["heldout_ppl", "heldout_choice", "heldout_gen_long"]
-    lm = DipacoLM(run=str(setup[which]), path=path, rolling="all", progress=False)
-    try:
-        ours = _evaluate(lm, setup, tasks, limit=8)
-    finally:
-        lm.close()
+    tasks = ["heldout_ppl", "heldout_choice", "heldout_gen", "heldout_gen_long"]
+    if path is None:
+        lm = DipacoLM(run=str(setup[which]), rolling="all", progress=False)
+        try:
+            ours = _evaluate(lm, setup, tasks, limit=8)
+        finally:
+            lm.close()
+    else:  # by its registered name and model_args, as the harness builds any model
+        ours = _evaluate("dipaco", setup, tasks, limit=8, model_args=f"run={setup[which]},path={path},rolling=all")
     hf = _evaluate("hf", setup, tasks, limit=8, model_args=f"pretrained={export},dtype=float32", device="cpu",
                    batch_size=4)
     for a, b in zip(_responses(ours, "heldout_ppl"), _responses(hf, "heldout_ppl")):
@@ -108,6 +111,7 @@ def test_a_dense_run_and_a_pinned_path_give_what_hf_gives_on_the_export(setup, w
     assert len(choices) == 32 and all(a[0] == pytest.approx(b[0], rel=1e-4) and a[1] == b[1] for a, b in choices)
     generated = list(zip(_responses(ours, "heldout_gen_long"), _responses(hf, "heldout_gen_long")))
     assert all(a == b for a, b in generated) and any(len(a) > 4 for a, _ in generated)
+    assert _responses(ours, "heldout_gen") == _responses(hf, "heldout_gen")  # cut at the first newline
     assert {a.route for a, _ in choices} == {path or "0"}
 
 
