@@ -114,20 +114,24 @@ class DipacoLM(TemplateLM):
                               f"context unscored) or 'all' (every token, as the harness's hf model)")
         if device not in (None, "cpu"):
             raise DipacoError(f"device={device!r}: the dipaco model runs on the CPU; leave --device out")
+        self.route_every = int(route_every or 0)
+        if self.route_every < 0:
+            raise DipacoError(f"route_every={route_every} is not valid; use W > 0 tokens, or 0 to route once")
+        if self.route_every and (rolling != "dipaco" or path is not None):
+            raise DipacoError("route_every applies to rolling=dipaco without path=; drop one of them")
         size = batch_size if isinstance(batch_size, int) or str(batch_size or "").isdigit() else 32  # "auto": default
         self.engine = Engine(run=str(run), shards=shards, routing=routing, max_memory=max_memory,
                              max_batch=int(size or 32), round=round)
         self.rr, self.rolling, self.progress = self.engine.rr, rolling, bool(progress)
-        self.path = None if path is None else self.rr.check_path(str(path))
-        self.route_every = int(route_every or 0)
-        if self.route_every < 0:
-            raise DipacoError(f"route_every={route_every} is not valid; use W > 0 tokens, or 0 to route once")
-        if self.route_every and (rolling != "dipaco" or self.path is not None):
-            raise DipacoError("route_every applies to rolling=dipaco without path=; drop one of them")
         self.run = self.rr.run
         self.context = self.run.config.eval.context_tokens
         self.r = self.engine.source.round
-        self.router = None if self.run.is_dense else shard_router(self.rr.shards, self.context)
+        try:
+            self.path = None if path is None else self.rr.check_path(str(path))
+            self.router = None if self.run.is_dense else shard_router(self.rr.shards, self.context)
+        except DipacoError:
+            self.engine.close()  # its threads
+            raise
         self.max_gen = int(max_gen_toks)
         self.tokenizer = self.engine.tokenizer
 

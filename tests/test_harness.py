@@ -175,6 +175,9 @@ def test_lm_eval_command_writes_paths_and_answers_from_the_cache(setup, tmp_path
     assert main(["lm-eval", "--run", str(setup["run"]), "--tasks", "x", "--include_path", str(missing)]) == 2
     err = capsys.readouterr().err
     assert err == f"dipaco lm-eval: error: --include_path {missing}: not a folder of task YAMLs\n"
+    assert main(["lm-eval", "--run", str(setup["run"]), "--tasks", "heldout_choice", "--path", "9-9"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "path '9-9' is not in run" in err and "choose one of 0-0, 0-1, 1-0, 1-1" in err
 
 
 def test_a_missing_harness_is_one_line_naming_the_extra(monkeypatch):
@@ -196,6 +199,10 @@ def test_bad_model_args_are_refused_before_anything_loads():
         DipacoLM(run="x", pretrained="gpt2")
     with pytest.raises(DipacoError, match="rolling='some'"):
         DipacoLM(run="x", rolling="some")
+    with pytest.raises(DipacoError, match="route_every applies to rolling=dipaco without path="):
+        DipacoLM(run="x", route_every=64, rolling="all")
+    with pytest.raises(DipacoError, match="route_every=-1 is not valid"):
+        DipacoLM(run="x", route_every=-1)
 
 
 def test_choice_rows_draw_wrong_answers_from_the_same_domain():
