@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from dipaco.eval.api import load
-from dipaco.eval.generate import generate, loaded_scorer, route_prompt
+from dipaco.eval.generate import generate, loaded_scorer, route_ids, route_prompt
 
 from eval_helpers import private_run
 from serve_helpers import ServerProcess
@@ -98,6 +98,57 @@ def test_echo_logprobs_are_dipacos_own_scores(client, rr):
         assert choice.text == prompt and choice.logprobs.token_logprobs[0] is None
         assert np.allclose(choice.logprobs.token_logprobs[1:], ours, atol=1e-4, rtol=0)
         assert "".join(choice.logprobs.tokens) == prompt and len(choice.logprobs.top_logprobs) == len(ids)
+
+
+PAIRS = [("def read_config(path):", "\n    with open(path) as f:"), ("The history of the", " city begins"),
+         ("import numpy as np", "\nimport torch"), ("Once upon a time", " there was a king"),
+         ("SELECT name FROM", " users WHERE id = 1")]
+
+
+def task_dir(tmp_path):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"context": c, "continuation": x}) + "\n" for c, x in PAIRS))
+    (tmp_path / "dipaco_pairs.yaml").write_text(f"""task: dipaco_pairs
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{continuation}}}}"
+metric_list:
+  - metric: perplexity
+  - metric: acc
+""")
+    return tmp_path
+
+
+def test_lm_eval_local_completions_scores_like_dipaco(server, rr, tmp_path, monkeypatch):
+    """lm-evaluation-harness's ``local-completions`` model pointed at the server: a local log-likelihood task (offline)
+    gets, request by request, what dipaco's own scorer gives the same tokens on the path the server routed."""
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is in the test extra: pip install -e '.[test]'")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = simple_evaluate(
+        model="local-completions",
+        model_args={"base_url": server.url + "/v1/completions", "model": "tiny", "tokenizer_backend": "huggingface",
+                    "tokenizer": str(rr.shards.root / "tokenizer"), "tokenized_requests": True, "max_length": 60,
+                    "num_concurrent": 4},
+        tasks=["dipaco_pairs"], task_manager=TaskManager(include_path=str(task_dir(tmp_path))), log_samples=True)
+    samples = out["samples"]["dipaco_pairs"]
+    assert len(samples) == len(PAIRS)
+    score = loaded_scorer(rr)
+    for sample in samples:
+        context, continuation = sample["arguments"][0]
+        whole, ctxlen = rr.encode(context + continuation), len(rr.encode(context))
+        path = route_ids(rr, whole)[0]  # the path dipaco generate gives the prompt the server saw
+        nll = score([(path, whole)])[0]
+        harness_ll = sample["resps"][0][0][0]
+        assert np.isclose(harness_ll, -nll[ctxlen - 1:].sum(), atol=1e-4 * len(whole), rtol=0), (context, path)
+    assert "perplexity,none" in out["results"]["dipaco_pairs"]
 
 
 def test_sixteen_concurrent_requests_share_forward_passes(client, server, rr):
@@ -230,3 +281,46 @@ def test_the_front_router_forwards_to_upstreams_and_survives_one_dying(run, rr, 
     finally:
         for u in ups.values():
             u.stop(signal.SIGKILL)
+
+
+def test_prefix_loss_routing_and_route_every_follow_generate(run, tmp_path):
+    """A run whose once rule scores the prompt's start with every path (prefix-loss) and whose every-4 rule is
+    lagged-loss: the server's paths, segments and greedy text are dipaco generate's."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "routing").mkdir(exist_ok=True)
+    (copy / "routing" / "once.json").write_text(json.dumps(
+        {"chosen": {"kind": "prefix-loss", "prior": False}, "name": "prefix-loss", "reason": "set by the test"}))
+    (copy / "window_routers" / "w4").mkdir(parents=True)
+    (copy / "window_routers" / "w4" / "policy.json").write_text(json.dumps(
+        {"chosen": {"kind": "lagged-loss", "margin": 0.0, "lookback": 1}, "reason": "set by the test",
+         "split": "router_docs", "once_rule": "prefix-loss"}))
+    rr = load(copy, progress=False)
+    s = ServerProcess("--run", str(copy), "--name", "tiny", "--route-every", "4")
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        assert "forward passes" in c.models.list().data[0].model_dump()["routing"]
+        for prompt in PROMPTS:
+            choice = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0).choices[0].model_dump()
+            expected = generate(rr, prompt, max_new_tokens=12, route_every=4)
+            assert choice["path"] == route_prompt(rr, prompt)[0] == expected.segments[0][0]
+            assert choice["text"] == expected.text
+            ours = choice.get("segments") or [{"path": choice["path"], "tokens": expected.new_tokens}]
+            merged = [(p, n) for p, n in expected.segments]
+            merged = [(p, sum(n for q, n in merged[i:j])) for i, j, p in _runs(merged)]
+            assert [(x["path"], x["tokens"]) for x in ours] == merged
+        assert s.metric("dipaco_routing_seconds_total") > 0
+    finally:
+        s.stop()
+
+
+def _runs(segments):
+    """(start, end, path) of each run of consecutive segments on the same path."""
+    out, i = [], 0
+    while i < len(segments):
+        j = i
+        while j < len(segments) and segments[j][0] == segments[i][0]:
+            j += 1
+        out.append((i, j, segments[i][0]))
+        i = j
+    return out
