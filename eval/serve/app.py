@@ -40,6 +40,8 @@ class Server:
         metrics.gauge("dipaco_batcher_jobs", "jobs in the batcher, waiting or running", lambda: engine.batcher.in_flight)
         metrics.gauge("dipaco_resident_module_bytes", "bytes of the modules held in memory",
                       lambda: engine.cache.resident_bytes)
+        metrics.gauge("dipaco_resident_parameter_bytes", "bytes of the distinct tensors the resident paths use",
+                      engine.cache.parameter_bytes)
         metrics.gauge("dipaco_memory_budget_bytes", "the --max-memory budget for modules", lambda: engine.budget)
         metrics.gauge("dipaco_resident_paths", "paths assembled from resident modules", lambda: len(engine.cache.models))
         self.app = Starlette(routes=[

@@ -120,6 +120,16 @@ class ModuleCache:
         with self.lock:
             return sum(self.source.nbytes[m] for m in self.modules)
 
+    def parameter_bytes(self) -> int:
+        """Bytes of the distinct tensors behind every resident path model's parameters, counted by storage: what the
+        paths really hold, shared modules once."""
+        with self.lock:
+            seen = {}
+            for model in self.models.values():
+                for p in model.parameters():
+                    seen[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
+            return sum(seen.values())
+
     def is_resident(self, path: str) -> bool:
         with self.lock:
             return path in self.models
