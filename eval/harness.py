@@ -27,6 +27,7 @@ and a count per task into ``results["dipaco"]``. Requests of all paths are submi
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 
@@ -227,6 +228,9 @@ class DipacoLM(TemplateLM):
         return results
 
     # ------------------------------------------------------------------ loglikelihood
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[Scored]:
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[Scored]:
         L = self.max_length
         for (context, continuation), _, cont in requests:
@@ -332,17 +336,25 @@ class DipacoLM(TemplateLM):
 
 def add_paths(results: dict, lm: DipacoLM | None = None) -> dict:
     """Write every request's path into the harness's per-sample output (``dipaco_paths``, one entry per request of
-    the sample, from its first response) and a count of requests per path and task into ``results["dipaco"]``."""
-    counts = {}
+    the sample, from its first response) and into ``results["dipaco"]``: the requests per path of every task and, for
+    a rolling task, the perplexity per scored token (with ``rolling=dipaco``, the number ``dipaco eval`` reports for
+    the same documents: the harness's word and byte perplexities count the unscored routing context too)."""
+    counts, tokens = {}, {}
     for task, samples in (results.get("samples") or {}).items():
-        count = Counter()
+        count, nll, n = Counter(), 0.0, 0
         for sample in samples:
-            routes = [getattr(resps[0], "route", None) if resps else None for resps in sample["resps"]]
+            first = [resps[0] if resps else None for resps in sample["resps"]]
+            routes = [getattr(r, "route", None) for r in first]
             sample["dipaco_paths"] = routes
             for r in routes:  # a request re-routed every W tokens counts once under each path it used
                 count.update(str(p) for p in dict.fromkeys(r if isinstance(r, list) else [r]))
+            for r in first:
+                if isinstance(r, RollingLL):
+                    nll, n = nll - float(r), n + r.tokens
         counts[task] = dict(sorted(count.items()))
-    info = {"requests_per_path": counts}
+        if n:
+            tokens[task] = {"perplexity": math.exp(nll / n), "tokens": n}
+    info = {"requests_per_path": counts, "token_perplexity": tokens}
     if lm is not None:
         info |= {"run": str(lm.run.root), "round": lm.r, "routing": lm.describe(), "rolling": lm.rolling}
     results["dipaco"] = info

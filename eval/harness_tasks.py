@@ -33,12 +33,18 @@ def _write(folder: Path, name: str, rows: list[dict], yaml: str) -> str:
     return name
 
 
+def _metrics(higher: bool = True, **aggregations: str) -> str:
+    """A task YAML's metric_list entries (with their aggregation, so the harness has nothing to warn about)."""
+    return "".join(f"  - metric: {m}\n    aggregation: {a}\n    higher_is_better: {str(higher).lower()}\n"
+                   for m, a in aggregations.items())
+
+
 def rolling_task(folder: str | Path, docs: list[dict], name: str = "heldout_ppl") -> str:
     """A ``loglikelihood_rolling`` task over ``docs`` ({"text", "label"}); returns its name."""
     rows = [{"text": d["text"], "domain": d.get("label")} for d in docs]
     return _write(Path(folder), name, rows, 'output_type: loglikelihood_rolling\ndoc_to_text: ""\n'
-                  'doc_to_target: "{{text}}"\nmetric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n'
-                  '  - metric: bits_per_byte\n')
+                  'doc_to_target: "{{text}}"\nmetric_list:\n' + _metrics(word_perplexity="weighted_perplexity",
+                  byte_perplexity="weighted_perplexity", bits_per_byte="bits_per_byte", higher=False))
 
 
 def passages(tokenizer, docs: list[dict], passage: int, answer: int) -> list[dict]:
@@ -80,7 +86,7 @@ def choice_task(folder: str | Path, tokenizer, docs: list[dict], passage: int = 
     # the answer follows the passage directly: the split is at a token boundary, not at a space
     return _write(Path(folder), name, rows, 'output_type: multiple_choice\ndoc_to_text: "{{passage}}"\n'
                   'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\ntarget_delimiter: ""\nmetric_list:\n'
-                  '  - metric: acc\n  - metric: acc_norm\n')
+                  + _metrics(acc="mean", acc_norm="mean"))
 
 
 def generation_task(folder: str | Path, tokenizer, docs: list[dict], passage: int = 48, answer: int = 16,
@@ -91,7 +97,7 @@ def generation_task(folder: str | Path, tokenizer, docs: list[dict], passage: in
     return _write(Path(folder), name, rows, 'output_type: generate_until\ndoc_to_text: "{{passage}}"\n'
                   'doc_to_target: "{{answer}}"\ntarget_delimiter: ""\ngeneration_kwargs:\n'
                   f'  until: {json.dumps(list(until))}\n  max_gen_toks: {answer}\n  do_sample: false\n'
-                  'metric_list:\n  - metric: exact_match\n')
+                  'metric_list:\n' + _metrics(exact_match="mean"))
 
 
 def heldout_tasks(shards_dir: str | Path, folder: str | Path, passage: int = 48, answer: int = 16, choices: int = 4,

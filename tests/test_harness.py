@@ -63,7 +63,7 @@ def _responses(results, task) -> list:
 
 
 def test_rolling_gives_dipaco_eval_perplexity_once_and_every_w(setup):
-    from dipaco.eval.harness import DipacoLM
+    from dipaco.eval.harness import DipacoLM, add_paths
     from dipaco.eval.perplexity import evaluate
 
     report = evaluate({"h": setup["run"]}, setup["shards"], progress=False, route_every=[W])["methods"]
@@ -74,12 +74,15 @@ def test_rolling_gives_dipaco_eval_perplexity_once_and_every_w(setup):
     for every, row in ((0, report["h"]), (W, report[f"h every-{W}"])):
         lm = DipacoLM(run=str(setup["run"]), route_every=every, progress=False)
         try:
-            out = _responses(_evaluate(lm, setup, ["heldout_ppl"]), "heldout_ppl")
+            results = add_paths(_evaluate(lm, setup, ["heldout_ppl"]), lm)
         finally:
             lm.close()
+        out = _responses(results, "heldout_ppl")
         nll, tokens = -sum(out), sum(r.tokens for r in out)
         assert tokens == row["tokens"] and len(out) == row["documents"]
         assert math.exp(nll / tokens) == pytest.approx(row["perplexity"], rel=1e-4)
+        assert results["dipaco"]["token_perplexity"]["heldout_ppl"] == {"perplexity": math.exp(nll / tokens),
+                                                                        "tokens": tokens}
         if every:
             assert any(len(set(r.route)) > 1 for r in out)  # some documents were re-routed
             assert math.exp(nll / tokens) != pytest.approx(report["h"]["perplexity"], rel=1e-4)

@@ -64,6 +64,10 @@ def cmd_lm_eval(args) -> None:
     for d in include:
         if not Path(d).is_dir():
             raise DipacoError(f"--include_path {d}: not a folder of task YAMLs")
+    if args.quiet:
+        import datasets
+
+        datasets.disable_progress_bars()
     lm = harness.DipacoLM(run=args.run, shards=args.shards, route_every=args.route_every, path=args.path,
                           routing=args.routing, rolling=args.rolling, round=args.round, max_memory=args.max_memory,
                           batch_size=args.batch_size, progress=not args.quiet)
@@ -91,7 +95,7 @@ def cmd_lm_eval(args) -> None:
                 num_fewshot=args.num_fewshot, limit=limit, use_cache=args.use_cache, log_samples=True,
                 gen_kwargs=args.gen_kwargs, task_manager=manager, evaluation_tracker=tracker,
                 random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
-                fewshot_random_seed=args.seed)
+                fewshot_random_seed=args.seed, verbosity="ERROR" if args.quiet else None)
     finally:
         lm.close()
     harness.add_paths(results, lm)
@@ -106,3 +110,6 @@ def cmd_lm_eval(args) -> None:
         print(make_table(results, "groups"))
     for task, counts in results["dipaco"]["requests_per_path"].items():
         print(f"{task}: requests per path " + json.dumps(counts, default=handle_non_serializable), file=sys.stderr)
+    for task, t in results["dipaco"]["token_perplexity"].items():
+        scored = "after each text's routing context, as dipaco eval" if lm.rolling == "dipaco" else "every token"
+        print(f"{task}: perplexity {t['perplexity']:.4f} per token over {t['tokens']} tokens ({scored})")
