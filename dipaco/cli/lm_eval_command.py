@@ -113,3 +113,7 @@ def cmd_lm_eval(args) -> None:
     for task, t in results["dipaco"]["token_perplexity"].items():
         scored = "after each text's routing context, as dipaco eval" if lm.rolling == "dipaco" else "every token"
         print(f"{task}: perplexity {t['perplexity']:.4f} per token over {t['tokens']} tokens ({scored})")
+    if lm.rolling == "dipaco" and results["dipaco"]["token_perplexity"]:
+        print("dipaco lm-eval: note: the word and byte perplexities above count each text's routing context, which "
+              "--rolling dipaco leaves unscored; --rolling all scores every token, comparable with other models",
+              file=sys.stderr)
