@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reproduce_corpus import CURVES, HEADLINE, PAPER_OUTER, PRIVATE, Scale
+from reproduce_corpus import CURVES, DOWNSTREAM_TASK, HEADLINE, PAPER_OUTER, PRIVATE, Scale
 from reproduce_report import MISSING
 
 README_BEGIN, README_END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -138,7 +138,7 @@ def downstream_table(res: dict) -> list[str]:
     rows = res.get("downstream") or {}
     if not rows:
         return []
-    t = next((r for r in rows.values() if "task" in r), {"passage": "P", "answer": "A", "choices": "K"})
+    t = next((r for r in rows.values() if "task" in r), DOWNSTREAM_TASK)
     head = (res.get("headline") or {}).get("run")
     lines = ["", f"Downstream (lm-evaluation-harness, `dipaco lm-eval`): a held-out document's first {t['passage']} "
                  f"tokens and {t['choices']} continuations of {t['answer']} tokens, its own and those at the same place "
