@@ -208,11 +208,11 @@ class DipacoLM(TemplateLM):
             collect = _collector(results[i], lock, left, done)
 
             def emit(kind, payload):
+                if kind in ("done", "error"):
+                    bar.update(1)  # before the last one wakes the caller, who closes the bar
                 collect(kind, payload)
                 if kind == "token" and on_token is not None:
                     job.cancelled = job.cancelled or on_token(i, results[i])
-                elif kind in ("done", "error"):
-                    bar.update(1)
             return emit
 
         order = sorted(range(len(jobs)), key=lambda i: (jobs[i].path, -len(jobs[i].ids)))
