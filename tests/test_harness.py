@@ -124,7 +124,7 @@ def test_choices_of_a_question_share_the_path_of_their_context(setup):
 
     lm = DipacoLM(run=str(setup["run"]), progress=False)
     try:
-        results = add_paths(_evaluate(lm, setup, ["heldout_choice", "heldout_gen"]), lm)
+        results = add_paths(_evaluate(lm, setup, ["heldout_choice", "heldout_gen", "heldout_gen_long"]), lm)
         short = lm.tok_encode("def")  # shorter than the routing prefix: routed by what it has
         assert lm.routes([short], "test") == [route_ids(lm.rr, short, score=lm.engine.score)[0]]
     finally:
@@ -140,6 +140,10 @@ def test_choices_of_a_question_share_the_path_of_their_context(setup):
     counts = results["dipaco"]["requests_per_path"]
     assert sum(counts["heldout_choice"].values()) == 4 * len(firsts) and "prefix-loss" in results["dipaco"]["routing"]
     assert sum(counts["heldout_gen"].values()) == len(results["samples"]["heldout_gen"])
+    # a routed generation is dipaco generate's: the same path, the same greedy text
+    for sample in results["samples"]["heldout_gen_long"][:6]:
+        g = lm.rr.generate(sample["arguments"][0][0], max_new_tokens=16, route_every=0)
+        assert (sample["resps"][0][0], sample["dipaco_paths"][0]) == (g.text, g.paths[0][0])
 
     # the results page's downstream step (bench/reproduce.py --downstream) scores the same questions the same way
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
