@@ -132,6 +132,18 @@ def test_a_killed_driver_and_a_killed_shard_command_leave_no_process(shards_2x2,
     wait_for(lambda: not alive(children), "the shard workers to end", timeout=20)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts processes through /proc")
+def test_a_local_ray_left_in_order_ends_and_its_driver_lives_on():
+    """The watcher of a local Ray kills that Ray's stragglers when its driver leaves Ray, and never the driver (which
+    holds the session's log files open too)."""
+    script = ("import ray, sys\nfrom dipaco.taskqueue.ray_cluster import connect, disconnect\nconnect('', 1, {})\n"
+              "print(ray._private.worker._global_node.session_name, flush=True)\ndisconnect()\nprint('after')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and done.stdout.split()[1:] == ["after"], (done.returncode, done.stderr[-2000:])
+    session = done.stdout.split()[0]
+    wait_for(lambda: not alive(holders(session)), f"every process of {session} to end", timeout=20)
+
+
 def _parent(pid: int) -> int:
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])

@@ -38,9 +38,9 @@ def die_with_parent(parent: int) -> None:
 # The watcher: stdin is a pipe whose other end only the driver holds; EOF means the driver has ended.
 _WATCHER = r"""
 import os, signal, sys, time
-session = sys.argv[1]
+session, driver = sys.argv[1], int(sys.argv[2])
 sys.stdin.buffer.read()
-me = os.getpid()
+spare = {os.getpid(), driver}  # the driver holds its own Ray log files open: when it closed the pipe itself, it lives on
 
 
 def of_session(pid):
@@ -58,7 +58,7 @@ def of_session(pid):
 
 
 for _ in range(5):  # again, for a process started while the others were being killed
-    found = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me and of_session(p)]
+    found = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in spare and of_session(p)]
     for pid in found:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -76,5 +76,5 @@ def watch_local_ray(session: str) -> subprocess.Popen | None:
     end (closing it earlier kills that Ray at once)."""
     if not sys.platform.startswith("linux") or not os.path.isdir("/proc") or not session:
         return None
-    return subprocess.Popen([sys.executable, "-c", _WATCHER, session], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    return subprocess.Popen([sys.executable, "-c", _WATCHER, session, str(os.getpid())], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)

@@ -44,10 +44,10 @@ from dipaco.storage.run import Plan, RunDirectory, build_grid, check_dense_sourc
 from dipaco.storage.shards import ShardSet
 from dipaco.taskqueue.lease import Lease
 from dipaco.taskqueue.phases import PhaseSpec, StepSpec, outer_step, run_phase, validate_path
-from dipaco.taskqueue.ray_cluster import ClusterUnreachable, connect, disconnect
-from dipaco.taskqueue.schedule import describe, log_round, missing, phase_validates, ready, val_losses
 from dipaco.taskqueue.newrun import begin_run
+from dipaco.taskqueue.ray_cluster import ClusterUnreachable, connect, disconnect
 from dipaco.taskqueue.runstore import assemble, choose_lineage, config_digest, driver_view, local_shards, push
+from dipaco.taskqueue.schedule import describe, log_round, missing, phase_validates, ready, val_losses
 from dipaco.taskqueue.taskstore import Damaged, Ledger, ModuleGroups, TaskStore, ref
 from dipaco.training.devices import phase_device, phase_resources
 from dipaco.training.outer import renormalised
