@@ -1,6 +1,6 @@
 """A routed dipaco run as a model of EleutherAI's lm-evaluation-harness: ``simple_evaluate(model="dipaco",
 model_args="run=RUN[,route_every=W][,path=ID][,routing=shard][,rolling=all]")`` once this module is imported, or
-``dipaco lm-eval`` (dipaco/cli/lm_eval.py), because the harness's own CLI finds models only in its own package.
+``dipaco lm-eval`` (dipaco/cli/lm_eval_command.py), because the harness's own CLI finds models only in its own package.
 
 Routing, per request, by its context only (never its continuation), so every choice of a multiple-choice question is
 scored by one path:
@@ -17,9 +17,11 @@ scored by one path:
   tokens only, so the harness's word and byte perplexities, which count the whole text, are not comparable with other
   models' there: ``rolling=all`` scores every token the way the harness's ``hf`` model does (windows of the harness,
   the first token read after the tokenizer's BOS, else EOS), routed once by the text's first tokens.
+- ``generate_until`` with ``route_every=W`` is re-routed after every W new tokens by the run's every-W rule for
+  generation, as ``dipaco generate --route-every W`` is (segments of one path each).
 - ``path=ID`` skips routing (one path, as an exported path is); ``routing=shard`` routes by the shard router alone.
 
-The path of every request rides on its response (``.route``: a path id, or the path of every W-token chunk), through
+The path of every request rides on its response (``.route``: a path id, or the path of every W-token chunk or segment), through
 the harness's response cache too; ``add_paths(results)`` writes them into the per-sample output as ``dipaco_paths``
 and a count per task into ``results["dipaco"]``. Requests of all paths are submitted at once to the serving engine
 (``dipaco.eval.serve.engine``), which batches them by path and loads only the paths they need.
@@ -119,10 +121,11 @@ class DipacoLM(TemplateLM):
         if self.route_every < 0:
             raise DipacoError(f"route_every={route_every} is not valid; use W > 0 tokens, or 0 to route once")
         if self.route_every and (rolling != "dipaco" or path is not None):
-            raise DipacoError("route_every applies to rolling=dipaco without path=; drop one of them")
+            raise DipacoError("route_every re-routes generations and rolling=dipaco texts; it goes with neither path= "
+                              "nor rolling=all: drop one of them")
         size = batch_size if isinstance(batch_size, int) or str(batch_size or "").isdigit() else 32  # "auto": default
         self.engine = Engine(run=str(run), shards=shards, routing=routing, max_memory=max_memory,
-                             max_batch=int(size or 32), round=round)
+                             max_batch=int(size or 32), round=round, route_every=self.route_every)
         self.rr, self.rolling, self.progress = self.engine.rr, rolling, bool(progress)
         self.run = self.rr.run
         self.context = self.run.config.eval.context_tokens
@@ -319,19 +322,47 @@ class DipacoLM(TemplateLM):
         for job, p in zip(jobs, self.routes(contexts, "generate_until")):
             job.path = p
 
-        def stopped(i: int, res) -> bool:
-            text = self.tokenizer.decode(res.tokens[-64:], skip_special_tokens=True)  # a stop sequence ends in these
+        def stopped(i: int, tokens: list[int]) -> bool:
+            text = self.tokenizer.decode(tokens[-64:], skip_special_tokens=True)  # a stop sequence ends in these
             return any(s in text for s in stops[i])
 
-        done = self.run_jobs(jobs, "generate_until", on_token=stopped)
+        if self.route_every and not self.run.is_dense:
+            new, routes = self._generate_every_w(jobs, stopped)
+        else:
+            done = self.run_jobs(jobs, "generate_until", on_token=lambda i, res: stopped(i, res.tokens))
+            new, routes = [res.tokens for res in done], [job.path for job in jobs]
         out = []
-        for req, job, res, until in zip(requests, jobs, done, stops):
-            text = self.tokenizer.decode(res.tokens, skip_special_tokens=True)
+        for req, tokens, route, until in zip(requests, new, routes, stops):
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             for s in until:
                 text = text.split(s)[0]
-            out.append(_tagged(Generated, text, job.path))
+            out.append(_tagged(Generated, text, route))
             self.cache_hook.add_partial("generate_until", req.args, out[-1])
         return out
+
+    def _generate_every_w(self, jobs: list[Job], stopped) -> tuple[list[list[int]], list[list[str]]]:
+        """Generation re-routed after every W new tokens, as ``dipaco generate --route-every W``: each segment is a job
+        of the context so far on its path, and the engine's every-W rule picks the next path from what came before.
+        Returns every request's new tokens and the path of each of its segments."""
+        first = [job.path for job in jobs]
+        current, new, spans, paths = list(first), [[] for _ in jobs], [[] for _ in jobs], [[] for _ in jobs]
+        todo = list(range(len(jobs)))
+        while todo:
+            segment = [Job(current[i], jobs[i].ids + new[i], min(self.route_every, jobs[i].max_new - len(new[i])), None,
+                           temperature=jobs[i].temperature, top_p=jobs[i].top_p,
+                           seed=None if jobs[i].seed is None else jobs[i].seed + len(spans[i])) for i in todo]
+            done = self.run_jobs(segment, f"generate_until, segment {len(spans[todo[0]]) + 1}",
+                                 on_token=lambda k, res: stopped(todo[k], new[todo[k]] + res.tokens))
+            going = []
+            for i, res in zip(todo, done):
+                new[i] += res.tokens
+                spans[i].append(len(res.tokens))
+                paths[i].append(current[i])
+                if res.finish == "length" and len(new[i]) < jobs[i].max_new:  # not ended by a stop or end of text
+                    current[i] = self.engine.next_path(jobs[i].ids + new[i], first[i], current[i], spans[i])
+                    going.append(i)
+            todo = going
+        return new, paths
 
 
 def add_paths(results: dict, lm: DipacoLM | None = None) -> dict:

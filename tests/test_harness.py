@@ -40,8 +40,9 @@ def setup(shards_2x2, tmp_path_factory):
     shutil.copytree(base, run)
     (run / "routing").mkdir(exist_ok=True)
     (run / "routing" / "once.json").write_text(json.dumps(FORCED_ONCE))
-    (run / "window_routers" / f"w{W}").mkdir(parents=True)
-    (run / "window_routers" / f"w{W}" / "policy.json").write_text(json.dumps(FORCED_EVERY))
+    for w in (W, 4):  # every 64 tokens for rolling, every 4 for generation
+        (run / "window_routers" / f"w{w}").mkdir(parents=True)
+        (run / "window_routers" / f"w{w}" / "policy.json").write_text(json.dumps(FORCED_EVERY))
     dense = trained_run(tmp_path_factory, shards_2x2, 'grid.shape="1"')
     tasks = root / "tasks"
     heldout_tasks(shards_2x2, tasks)
@@ -141,7 +142,7 @@ def test_choices_of_a_question_share_the_path_of_their_context(setup):
     assert sum(counts["heldout_choice"].values()) == 4 * len(firsts) and "prefix-loss" in results["dipaco"]["routing"]
     assert sum(counts["heldout_gen"].values()) == len(results["samples"]["heldout_gen"])
     # a routed generation is dipaco generate's: the same path, the same greedy text
-    for sample in results["samples"]["heldout_gen_long"][:6]:
+    for sample in results["samples"]["heldout_gen_long"][:3]:
         g = lm.rr.generate(sample["arguments"][0][0], max_new_tokens=16, route_every=0)
         assert (sample["resps"][0][0], sample["dipaco_paths"][0]) == (g.text, g.paths[0][0])
 
@@ -155,6 +156,24 @@ def test_choices_of_a_question_share_the_path_of_their_context(setup):
     assert row["questions"] == len(firsts) and sum(row["requests_per_path"].values()) == 4 * len(firsts)
     for metric in ("acc", "acc_stderr", "acc_norm"):
         assert row[metric] == pytest.approx(results["results"]["heldout_choice"][f"{metric},none"])
+
+
+def test_generation_re_routed_every_w_tokens_is_dipaco_generates(setup):
+    from dipaco.eval.api import load
+    from dipaco.eval.harness import DipacoLM
+
+    lm = DipacoLM(run=str(setup["run"]), route_every=4, progress=False)
+    try:
+        samples = _evaluate(lm, setup, ["heldout_gen_long"])["samples"]["heldout_gen_long"]
+    finally:
+        lm.close()
+    switched = [s for s in samples if len(set(s["resps"][0][0].route)) > 1]
+    assert switched and all(len(s["resps"][0][0].route) == 4 for s in samples)  # 16 tokens in segments of 4
+    rr = load(setup["run"])
+    for sample in switched + samples[:2]:  # (dipaco generate loads every path for each prompt)
+        out = sample["resps"][0][0]
+        g = rr.generate(sample["arguments"][0][0], max_new_tokens=16, route_every=4)
+        assert (out, out.route) == (g.text, [p for p, _ in g.segments]) and "lagged-loss" in g.router
 
 
 def test_lm_eval_command_writes_paths_and_answers_from_the_cache(setup, tmp_path, monkeypatch, capsys):
@@ -206,7 +225,7 @@ def test_bad_model_args_are_refused_before_anything_loads():
         DipacoLM(run="x", pretrained="gpt2")
     with pytest.raises(DipacoError, match="rolling='some'"):
         DipacoLM(run="x", rolling="some")
-    with pytest.raises(DipacoError, match="route_every applies to rolling=dipaco without path="):
+    with pytest.raises(DipacoError, match="it goes with neither path= nor rolling=all"):
         DipacoLM(run="x", route_every=64, rolling="all")
     with pytest.raises(DipacoError, match="route_every=-1 is not valid"):
         DipacoLM(run="x", route_every=-1)

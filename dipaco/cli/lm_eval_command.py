@@ -24,7 +24,7 @@ def add_lm_eval_command(sub) -> None:
     p.add_argument("--shards", help="shard directory (router and tokenizer); default: the run's own")
     p.add_argument("--tasks", required=True, help="harness task names, comma-separated (e.g. hellaswag,arc_easy)")
     p.add_argument("--route-every", "--route_every", type=int, default=0, metavar="W",
-                   help="loglikelihood_rolling: re-route every W tokens by the run's every-W rule, as dipaco eval")
+                   help="re-route every W tokens: rolling texts as dipaco eval, generations as dipaco generate")
     p.add_argument("--path", help="score every request with this path (no routing), e.g. 0-1")
     p.add_argument("--routing", choices=["run", "shard"], default="run",
                    help="run: the run's once rule (default); shard: the shard router alone")
