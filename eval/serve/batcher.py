@@ -54,18 +54,31 @@ class PathBatch:
     """The running rows of one path: their jobs, their cache and mask (rows left-padded to a common length)."""
 
     def __init__(self, path: str, model):
+        from transformers import DynamicCache
+
         self.path, self.model = path, model
         self.jobs: list[Job] = []
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cache = DynamicCache(config=model.config)  # one object for the batch's life: its tensors are swapped
         self.mask = torch.zeros(0, 0, dtype=torch.bool)
+
+    @property
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+    def _set(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for layer, (k, v) in zip(self.cache.layers, kv):
+            if not layer.is_initialized:
+                layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
 
     def add(self, jobs: list[Job], kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
         if not self.jobs:
-            self.jobs, self.kv, self.mask = list(jobs), kv, mask
+            self.jobs, self.mask = list(jobs), mask
+            self._set(kv)
             return
         width = max(self.mask.shape[1], mask.shape[1])
-        self.kv = [(torch.cat([_left_pad(k0, width), _left_pad(k1, width)]), torch.cat([_left_pad(v0, width), _left_pad(v1, width)]))
-                   for (k0, v0), (k1, v1) in zip(self.kv, kv)]
+        self._set([(torch.cat([_left_pad(k0, width), _left_pad(k1, width)]), torch.cat([_left_pad(v0, width), _left_pad(v1, width)]))
+                   for (k0, v0), (k1, v1) in zip(self.kv, kv)])
         self.mask = torch.cat([_left_pad_mask(self.mask, width), _left_pad_mask(mask, width)])
         self.jobs += jobs
 
@@ -75,29 +88,21 @@ class PathBatch:
             return
         self.jobs = [self.jobs[i] for i in rows]
         if not rows:
-            self.kv, self.mask = [], torch.zeros(0, 0, dtype=torch.bool)
+            self.mask = torch.zeros(0, 0, dtype=torch.bool)
             return
         index = torch.tensor(rows)
         self.mask = self.mask[index]
         first = int(self.mask.any(0).nonzero()[0])
-        self.kv = [(k[index, :, first:], v[index, :, first:]) for k, v in self.kv]
+        self._set([(k[index, :, first:], v[index, :, first:]) for k, v in self.kv])
         self.mask = self.mask[:, first:]
 
     def step(self) -> torch.Tensor:
         """One decode step of every row: feeds each row's last token, returns the logits (rows, vocab)."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        for layer, (k, v) in zip(cache.layers, self.kv):
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
         ids = torch.tensor([[j.last] for j in self.jobs])
         positions = torch.tensor([[j.position] for j in self.jobs])
-        mask = torch.cat([self.mask, torch.ones(len(self.jobs), 1, dtype=torch.bool)], dim=1)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                         logits_to_keep=1)
-        self.kv = [(layer.keys, layer.values) for layer in out.cache.layers]
-        self.mask = mask
+        self.mask = torch.cat([self.mask, torch.ones(len(self.jobs), 1, dtype=torch.bool)], dim=1)
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, cache=self.cache,
+                         use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
 
 
