@@ -151,11 +151,13 @@ def test_cancelled_rows_leave_and_sampling_is_seeded():
     assert batcher.in_flight == 0 and not batcher.cache.pins
 
 
-def test_a_cold_path_waits_for_memory_while_others_are_answered():
-    """A budget of two paths and requests for all four: every request is answered and the resident bytes never pass
-    the budget."""
+@pytest.mark.parametrize("paths_in_budget", [1, 2])
+def test_a_cold_path_waits_for_memory_while_others_are_answered(paths_in_budget):
+    """A budget of one or two paths and requests for all four at once: every request is answered (no path starves,
+    none deadlocks waiting for another's memory) and the resident bytes never pass the budget."""
     source = FakeSource()
-    budget = source.nbytes["x0"] + source.nbytes["y0"] + source.nbytes["y1"]
+    one = source.nbytes["x0"] + source.nbytes["y0"]
+    budget = one if paths_in_budget == 1 else one + source.nbytes["y1"]
     cache = ModuleCache(source, budget=budget)
     batcher = Batcher(cache, eos=CONFIG.eos_token_id).start()
     seen = []
@@ -167,4 +169,4 @@ def test_a_cold_path_waits_for_memory_while_others_are_answered():
     batcher.stop()
     sampler.join()
     assert all(e[-1] == ("done", "length") for e in events.values())
-    assert max(seen) <= budget
+    assert max(seen) <= budget and not cache.pins

@@ -161,21 +161,28 @@ def _token_logprob(logp_row: torch.Tensor, token: int, top: int) -> tuple[float,
     return float(logp_row[token]), alternatives
 
 
-def sample(job: Job, logits: torch.Tensor) -> tuple[int, float, list[tuple[int, float]]]:
-    """The next token of one row: greedy at temperature 0, else temperature and nucleus sampling with the job's own
-    generator; with its model log-probability and top alternatives."""
+def sample(jobs: list[Job], logits: torch.Tensor) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """The next token of every row: greedy at temperature 0, else temperature and nucleus sampling with the row's own
+    generator; with its model log-probability and top alternatives. One softmax and one argmax for the whole batch."""
     logp = torch.log_softmax(logits, dim=-1)
-    if job.temperature <= 0:
-        token = int(logits.argmax())
-    else:
-        probs = torch.softmax(logits / job.temperature, dim=-1)
-        if job.top_p < 1:
-            sorted_p, order = probs.sort(descending=True)
-            drop = sorted_p.cumsum(0) - sorted_p >= job.top_p  # the top token always stays
-            probs = probs.index_put((order[drop],), torch.zeros(()))
-        token = int(torch.multinomial(probs, 1, generator=job.generator))
-    lp, top = _token_logprob(logp, token, job.top_logprobs)
-    return token, lp, top
+    tokens = logits.argmax(-1).tolist()
+    for i, job in enumerate(jobs):
+        if job.temperature > 0:
+            probs = torch.softmax(logits[i] / job.temperature, dim=-1)
+            if job.top_p < 1:
+                sorted_p, order = probs.sort(descending=True)
+                drop = sorted_p.cumsum(0) - sorted_p >= job.top_p  # the top token always stays
+                probs = probs.index_put((order[drop],), torch.zeros(()))
+            tokens[i] = int(torch.multinomial(probs, 1, generator=job.generator))
+    chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    out = []
+    for i, job in enumerate(jobs):
+        top = []
+        if job.top_logprobs:
+            values, indices = logp[i].topk(job.top_logprobs)
+            top = list(zip(indices.tolist(), values.tolist()))
+        out.append((tokens[i], chosen[i], top))
+    return out
 
 
 class Batcher:
@@ -189,7 +196,8 @@ class Batcher:
         self.waiting: dict[str, list[Job]] = {}
         self.batches: dict[str, PathBatch] = {}
         self.loads: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self.loading: set[str] = set()
+        self.loading: set[str] = set()  # asked of the loader, not yet started
+        self.held: set[str] = set()  # loaded for waiting jobs and pinned by the loader until those jobs start
         self.blocked: set[str] = set()  # cold paths that did not fit: resident paths take no new rows until they load
         self.failed: dict[str, str] = {}  # path -> why its load failed (the loader says, the batcher answers its jobs)
         self.wake = threading.Event()
@@ -242,6 +250,7 @@ class Batcher:
             self.waiting[path] = jobs
             if not jobs:
                 del self.waiting[path]
+                self._release(path)
                 continue
             if path in self.failed:
                 self._fail_path(path, self.failed.pop(path))
@@ -250,21 +259,25 @@ class Batcher:
             if model is None:
                 if path not in self.loading:
                     self.loading.add(path)
-                    self.cache.pin(path)  # held from its load until its first rows start
                     self.loads.put(path)
                 continue
-            if self.blocked - {path}:
-                continue  # another path waits for memory: let this one drain
+            if self.blocked - {path} and path not in self.held:
+                continue  # another path waits for memory: this one drains (one loaded for its waiting jobs goes on)
             room = self.max_batch - len(self.batches[path].jobs) if path in self.batches else self.max_batch
             if room <= 0:
                 continue
             start, self.waiting[path] = jobs[:room], jobs[room:]
             self._prefill(path, model, start)
-            if path in self.loading:
-                self.loading.discard(path)
-                self.cache.pin(path, -1)
+            self._release(path)
             worked = True
         return worked
+
+    def _release(self, path: str) -> None:
+        """The loader's pin of a path loaded for waiting jobs, once they started (or left)."""
+        self.loading.discard(path)
+        if path in self.held:
+            self.held.discard(path)
+            self.cache.pin(path, -1)
 
     def _prefill(self, path: str, model, jobs: list[Job]) -> None:
         self.cache.pin(path, len(jobs))
@@ -284,19 +297,21 @@ class Batcher:
                 j.emit("prompt", prompt[i])
             if j.max_new == 0:
                 self._finish(j, "done", "length")
-                continue
-            j.position = len(j.ids)
-            if self._take(j, last[i]):
-                rows.append(j)
+        going = [i for i, j in enumerate(jobs) if j.max_new > 0]
+        picks = sample([jobs[i] for i in going], last[going]) if going else []
+        for i, pick in zip(going, picks):
+            jobs[i].position = len(jobs[i].ids)
+            if self._take(jobs[i], pick):
+                rows.append(jobs[i])
                 keep.append(i)
         if rows:
             index = torch.tensor(keep)
             kv = [(k[index], v[index]) for k, v in kv]
             self.batches.setdefault(path, PathBatch(path, model)).add(rows, kv, mask[index])
 
-    def _take(self, job: Job, logits: torch.Tensor) -> bool:
-        """Sample and emit one token; False when the job is done with it."""
-        token, lp, top = sample(job, logits)
+    def _take(self, job: Job, pick: tuple[int, float, list]) -> bool:
+        """Emit one sampled token; False when the job is done with it."""
+        token, lp, top = pick
         job.generated += 1
         job.last = token
         job.emit("token", (token, lp, top))
@@ -327,9 +342,9 @@ class Batcher:
             if self.metrics is not None:
                 self.metrics.decode_step(path, len(batch.jobs))
             keep = []
-            for i, j in enumerate(batch.jobs):
+            for i, (j, pick) in enumerate(zip(batch.jobs, sample(batch.jobs, logits))):
                 j.position += 1
-                if self._take(j, logits[i]):
+                if self._take(j, pick):
                     keep.append(i)
             batch.keep(keep)
             if not batch.jobs:
@@ -359,11 +374,12 @@ class Batcher:
                 return
             while not self.stopping:
                 try:
-                    model = self.cache.load(path)
+                    model = self.cache.load(path, pin=True)
                 except Exception as exc:  # a damaged checkpoint: its requests fail with the reason
                     self.failed[path] = f"cannot load path {path}: {exc}"
                     break
                 if model is not None:
+                    self.held.add(path)
                     self.blocked.discard(path)
                     break
                 self.blocked.add(path)  # everything resident is in use: wait for rows to finish
@@ -372,8 +388,6 @@ class Batcher:
 
     def _fail_path(self, path: str, message: str) -> None:
         self.blocked.discard(path)
-        if path in self.loading:
-            self.loading.discard(path)
-            self.cache.pin(path, -1)
+        self._release(path)
         for j in self.waiting.pop(path, []):
             self._finish(j, "error", message)

@@ -153,13 +153,16 @@ class ModuleCache:
                     self.modules.move_to_end(m)
             return model
 
-    def load(self, path: str, wait: bool = True):
+    def load(self, path: str, pin: bool = False):
         """Bring ``path`` in (loading only its missing modules, evicting others first); returns its model, or None when
-        it cannot fit now because pinned paths hold the memory (the caller retries after requests finish)."""
+        it cannot fit now because pinned paths hold the memory (the caller retries after requests finish). With
+        ``pin`` the path is pinned as it becomes resident, so nothing evicts it before its requests start."""
         with self.lock:
             while path in self.loading:  # another thread loads it: wait for that
                 self.loaded.wait()
             if path in self.models:
+                if pin:
+                    self.pin(path)
                 return self.model(path)
             needed = [m for m in self.source.path_modules[path] if m not in self.modules]
             if not self._make_room(sum(self.source.nbytes[m] for m in needed), keep=set(self.source.path_modules[path])):
@@ -178,6 +181,8 @@ class ModuleCache:
             self.modules.update(fresh)
             tensors = {n: t for m in self.source.path_modules[path] for n, t in self.modules[m].items()}
             self.models[path] = assemble(self.source.config, tensors)
+            if pin:
+                self.pin(path)
             self.loading.discard(path)
             self.loaded.notify_all()
             if self.metrics is not None:
