@@ -65,31 +65,42 @@ async def choice_events(engine, ids: list[int], path: str, s: Sampling, seed: in
 
 @dataclass
 class Text:
-    """The text of a choice's new tokens, cut at the first stop string."""
+    """The text of a choice's new tokens, cut at the first stop string. Decoded when read, or at every token when
+    stop strings must be watched for."""
     decode: object
     stops: list[str]
     ids: list[int] = field(default_factory=list)
-    text: str = ""
     sent: int = 0
     stopped: bool = False
+    _text: str = ""
+    _decoded: int = 0  # how many ids _text holds
+
+    @property
+    def text(self) -> str:
+        if self._decoded != len(self.ids) and not self.stopped:
+            self._text, self._decoded = self.decode(self.ids), len(self.ids)
+        return self._text
 
     def add(self, token: int) -> None:
         self.ids.append(token)
-        self.text = self.decode(self.ids)
-        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        if not self.stops:
+            return
+        text = self.text
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
-            self.text, self.stopped = self.text[:min(hits)], True
+            self._text, self.stopped = text[:min(hits)], True
 
     def delta(self, final: bool = False) -> str:
         """Text not sent yet; before the end, keep back a tail that could begin a stop string or ends mid-character."""
-        end = len(self.text)
+        text = self.text
+        end = len(text)
         if not final:
             end -= max((len(s) - 1 for s in self.stops), default=0)
-            while end > self.sent and self.text[end - 1:end] == "\ufffd":
+            while end > self.sent and text[end - 1:end] == "\ufffd":
                 end -= 1
         if end <= self.sent:
             return ""
-        out, self.sent = self.text[self.sent:end], end
+        out, self.sent = text[self.sent:end], end
         return out
 
 
