@@ -17,12 +17,26 @@ URL_LINE = re.compile(r"on (http://[\d.]+:\d+)/v1")
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env: dict | None = None, timeout: float = 120.0):
+    def __init__(self, *args: str, env: dict | None = None, timeout: float = 120.0, wait: bool = True):
         self.args = [sys.executable, "-m", "dipaco.cli", "serve", "--port", "0", *args]
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         self.stderr: list[str] = []
+        self.headers: dict = {}  # sent with every scrape of /metrics (a server with a key needs it)
         threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+        if wait:
+            self.ready(timeout)
+
+    @classmethod
+    def start_all(cls, *argsets: tuple[str, ...]) -> list["ServerProcess"]:
+        """Several servers started side by side (their start-ups overlap), each ready when this returns."""
+        servers = [cls(*args, wait=False) for args in argsets]
+        for s in servers:
+            s.ready()
+        return servers
+
+    def ready(self, timeout: float = 120.0) -> None:
+        """Wait for the line that names the server's address."""
         deadline, line = time.time() + timeout, ""
         while time.time() < deadline:
             line = self.proc.stdout.readline()
@@ -54,7 +68,8 @@ class ServerProcess:
             return e.code, json.loads(e.read() or b"{}"), {k.lower(): v for k, v in e.headers.items()}
 
     def metric(self, name: str) -> float:
-        _, text = self.get("/metrics")
+        status, text = self.get("/metrics", self.headers)
+        assert status == 200, f"/metrics answered {status}: {text[:200]}"
         values = [float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0] == name]
         return sum(values)
 

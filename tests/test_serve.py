@@ -193,53 +193,60 @@ def test_a_disconnected_stream_frees_its_row(client, server):
     assert server.metric("dipaco_queue_depth") == 0 and server.metric("dipaco_batcher_jobs") == 0
 
 
-def test_a_memory_budget_of_two_paths_holds_while_every_path_is_asked(run, rr):
+KEY = {"authorization": "Bearer sekret"}
+
+
+@pytest.fixture(scope="module")
+def guarded(run, rr):
+    """A server with a key, a queue of 4 choices and a module budget that any two paths fit, and that budget."""
     modules = rr.run.root / "checkpoints" / f"round_{rr.run.latest()}" / "modules"
-    sizes = {p: sum((modules / f"{m}.safetensors").stat().st_size for m in rr.run.grid.path_modules(p)) for p in rr.paths}
-    budget = sorted(sizes.values())[-1] + sorted(sizes.values())[-2]  # any two paths fit
-    s = ServerProcess("--run", str(run), "--name", "tiny", "--max-memory", str(budget))
-    try:
-        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
-        seen = []
-        for round_ in range(2):
-            for p in rr.paths:
-                assert c.completions.create(model=f"tiny/{p}", prompt="x", max_tokens=3).choices[0].model_dump()["path"] == p
-                seen.append(s.metric("dipaco_resident_module_bytes"))
-        with ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda i: c.completions.create(model=f"tiny/{rr.paths[i % 4]}", prompt="y", max_tokens=5), range(8)))
-        seen.append(s.metric("dipaco_resident_module_bytes"))
-        assert 0 < max(seen) <= budget
-        assert s.metric("dipaco_module_evictions_total") > 0
-    finally:
-        s.stop()
+    sizes = sorted(sum((modules / f"{m}.safetensors").stat().st_size for m in rr.run.grid.path_modules(p)) for p in rr.paths)
+    budget = sizes[-1] + sizes[-2]
+    s = ServerProcess("--run", str(run), "--name", "tiny", "--max-memory", str(budget), "--api-key", "sekret",
+                      "--max-queue", "4")
+    s.headers = KEY
+    yield s, budget
+    s.stop(signal.SIGKILL)
 
 
-def test_keys_off_loopback_queue_bound_and_sigterm(run, tmp_path):
+def test_a_memory_budget_of_two_paths_holds_while_every_path_is_asked(guarded, rr):
+    s, budget = guarded
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0)
+    seen = []
+    for round_ in range(2):
+        for p in rr.paths:
+            assert c.completions.create(model=f"tiny/{p}", prompt="x", max_tokens=3).choices[0].model_dump()["path"] == p
+            seen.append(s.metric("dipaco_resident_module_bytes"))
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: c.completions.create(model=f"tiny/{rr.paths[i % 4]}", prompt="y", max_tokens=5), range(8)))
+    seen.append(s.metric("dipaco_resident_module_bytes"))
+    assert 0 < max(seen) <= budget
+    assert s.metric("dipaco_module_evictions_total") > 0
+
+
+def test_keys_off_loopback_queue_bound_and_sigterm(guarded, run):
     from dipaco.cli.commands import main
 
     assert main(["serve", "--run", str(run), "--host", "0.0.0.0", "--port", "0"]) == 2  # no key: refused, nothing bound
-    s = ServerProcess("--run", str(run), "--name", "tiny", "--api-key", "sekret", "--max-queue", "2")
-    try:
-        assert s.post("/v1/completions", {"model": "tiny", "prompt": "x"})[0] == 401
-        assert s.get("/v1/models")[0] == 401 and s.get("/health")[0] == 200
-        key = {"authorization": "Bearer sekret"}
-        assert s.post("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}, key)[0] == 200
-        with ThreadPoolExecutor(6) as pool:
-            long = {"model": "tiny/0-1", "prompt": "x", "max_tokens": 40, "temperature": 1.0}
-            answers = list(pool.map(lambda _: s.post("/v1/completions", long, key), range(6)))
-        codes = sorted(code for code, _, _ in answers)
-        assert 200 in codes and 429 in codes
-        assert all(h.get("retry-after") == "1" for code, _, h in answers if code == 429)
-        # SIGTERM: the request in flight is answered, then the server exits cleanly
-        result = {}
-        worker = threading.Thread(target=lambda: result.update(answer=s.post("/v1/completions", long, key)))
-        worker.start()
-        time.sleep(0.3)
-        assert s.stop(signal.SIGTERM) == 0
-        worker.join(30)
-        assert result["answer"][0] == 200 and result["answer"][1]["choices"][0]["text"] is not None
-    finally:
-        s.stop(signal.SIGKILL)
+    s, _ = guarded
+    assert s.post("/v1/completions", {"model": "tiny", "prompt": "x"})[0] == 401
+    assert s.post("/v1/completions", {"model": "tiny", "prompt": "x"}, {"authorization": "Bearer guess"})[0] == 401
+    assert s.get("/v1/models")[0] == 401 and s.get("/health")[0] == 200
+    assert s.post("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}, KEY)[0] == 200
+    long = {"model": "tiny/0-1", "prompt": "x", "max_tokens": 40, "temperature": 1.0}
+    with ThreadPoolExecutor(10) as pool:
+        answers = list(pool.map(lambda _: s.post("/v1/completions", long, KEY), range(10)))
+    codes = sorted(code for code, _, _ in answers)
+    assert 200 in codes and 429 in codes
+    assert all(h.get("retry-after") == "1" for code, _, h in answers if code == 429)
+    # SIGTERM: the request in flight is answered, then the server exits cleanly
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(answer=s.post("/v1/completions", long, KEY)))
+    worker.start()
+    time.sleep(0.3)
+    assert s.stop(signal.SIGTERM) == 0
+    worker.join(30)
+    assert result["answer"][0] == 200 and result["answer"][1]["choices"][0]["text"] is not None
 
 
 def test_the_front_router_forwards_to_upstreams_and_survives_one_dying(run, rr, tmp_path):
@@ -248,8 +255,15 @@ def test_the_front_router_forwards_to_upstreams_and_survives_one_dying(run, rr, 
     try:
         for p in ("0-1", "1-0"):
             rr.export(p, tmp_path / p)
-            ups[p] = ServerProcess("--model", str(tmp_path / p))
-        front = ServerProcess("--run", str(run), "--name", "tiny", *[a for p, u in ups.items()
+        chat_dir = tmp_path / "chat"  # the same path with a chat template: chat completions work
+        shutil.copytree(tmp_path / "0-1", chat_dir)
+        config = json.loads((chat_dir / "tokenizer_config.json").read_text())
+        config["chat_template"] = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+        (chat_dir / "tokenizer_config.json").write_text(json.dumps(config))
+        up01, up10, chat = ServerProcess.start_all(("--model", str(tmp_path / "0-1")), ("--model", str(tmp_path / "1-0")),
+                                                   ("--model", str(chat_dir), "--name", "chatty"))
+        ups = {"0-1": up01, "1-0": up10, "chat": chat}
+        front = ServerProcess("--run", str(run), "--name", "tiny", *[a for p, u in ups.items() if p != "chat"
                                                                       for a in ("--upstream", f"{p}={u.url}")])
         c = openai.OpenAI(base_url=front.url + "/v1", api_key="unused", max_retries=0)
         for p in ("0-1", "1-0", "0-0"):
@@ -263,13 +277,6 @@ def test_the_front_router_forwards_to_upstreams_and_survives_one_dying(run, rr, 
         assert code == 502 and "1-0" in answer["error"]["message"]
         assert c.completions.create(model="tiny/0-1", prompt="x", max_tokens=2).choices[0].model_dump()["path"] == "0-1"
         front.stop()
-        # a chat template makes chat completions work (served from the exported directory)
-        chat_dir = tmp_path / "chat"
-        shutil.copytree(tmp_path / "0-1", chat_dir)
-        config = json.loads((chat_dir / "tokenizer_config.json").read_text())
-        config["chat_template"] = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-        (chat_dir / "tokenizer_config.json").write_text(json.dumps(config))
-        chat = ServerProcess("--model", str(chat_dir), "--name", "chatty")
         cc = openai.OpenAI(base_url=chat.url + "/v1", api_key="unused", max_retries=0)
         reply = cc.chat.completions.create(model="chatty", messages=[{"role": "user", "content": "hello"}], max_tokens=5)
         assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content is not None
