@@ -144,21 +144,13 @@ def prefill(model, jobs: list[Job]) -> tuple[torch.Tensor, list, torch.Tensor, l
 
 
 def _prompt_logprobs(rows: torch.Tensor, ids: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
-    """``_token_logprob`` of every context token after the first, all rows at once: a per-token loop costs more than
-    the forward pass of a small model."""
+    """Every context token's log-probability after the first, with its top alternatives, all rows at once (a loop
+    over tokens would cost more than the forward pass of a small model)."""
     lps = rows.gather(1, torch.tensor(ids[1:], dtype=torch.long)[:, None])[:, 0].tolist()
     if not top:
         return [(lp, []) for lp in lps]
     values, indices = rows.topk(top, dim=-1)
     return [(lp, list(zip(ix, vs))) for lp, ix, vs in zip(lps, indices.tolist(), values.tolist())]
-
-
-def _token_logprob(logp_row: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
-    alternatives = []
-    if top:
-        values, indices = logp_row.topk(top)
-        alternatives = list(zip(indices.tolist(), values.tolist()))
-    return float(logp_row[token]), alternatives
 
 
 def sample(jobs: list[Job], logits: torch.Tensor) -> list[tuple[int, float, list[tuple[int, float]]]]:
