@@ -331,3 +331,28 @@ def _runs(segments):
         out.append((i, j, segments[i][0]))
         i = j
     return out
+
+
+def test_bad_command_lines_are_one_line_each(run, tmp_path, capsys):
+    from conftest import one_error_line
+
+    from dipaco.cli.commands import main
+
+    cases = [(["--run", str(tmp_path / "nothing")], "not a dipaco run directory"),
+             (["--run", str(run), "--model", str(tmp_path)], "serve one thing"),
+             (["--model", str(tmp_path)], "not a Hugging Face model directory"),
+             (["--run", str(run), "--max-memory", "lots"], "not a size"),
+             (["--run", str(run), "--max-memory", "10"], "smaller than one path"),
+             (["--run", str(run), "--upstream", "0-1=localhost:1"], "PATH=URL"),
+             (["--run", str(run), "--routing", "shard", "--route-every", "-2"], "route_every"),
+             (["--run", str(run), "--round", "99"], "no round 99")]
+    for args, words in cases:
+        assert main(["serve", "--port", "0", *args]) == 2, args
+        assert words in one_error_line(capsys, "serve"), args
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["serve", "--run", str(run), "--port", str(taken.getsockname()[1])]) == 2
+        assert "cannot listen" in one_error_line(capsys, "serve")

@@ -76,29 +76,30 @@ def cmd_serve(args) -> None:
     from dipaco.eval.serve.metrics import Metrics
     from dipaco.eval.serve.upstream import Upstreams, parse_upstreams
 
-    sock = _listen(cfg.host, cfg.port)
-    metrics = Metrics()
-    run = str(pull_run(args.run)) if args.run else None
-    engine = Engine(run=run, shards=local_shards(args.shards), model_dir=args.model, max_memory=cfg.max_memory or None,
-                    routing=cfg.routing, route_every=cfg.route_every, max_batch=cfg.max_batch, round=cfg.round,
-                    metrics=metrics, name=args.name)
-    upstreams = Upstreams(parse_upstreams(args.upstream, engine.paths)) if args.upstream else None
-    engine.remote = upstreams
-    server = Server(engine, metrics, api_key, cfg.max_queue, upstreams)
-    logging.basicConfig(level=logging.INFO, format="dipaco serve: %(message)s", stream=sys.stderr)
-    host, port = sock.getsockname()[:2]
-    print(f"dipaco serve: {engine.name} ({len(engine.paths)} paths; routing: {engine.routing_cost()}; module budget "
-          f"{engine.budget / 1e9:.2f} GB) on http://{host}:{port}/v1", flush=True)
-    config = uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=30, lifespan="off")
-
-    class Graceful(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            super().handle_exit(sig, frame)
-            server.closing = True
-            self._captured_signals.clear()  # SIGTERM ends the server once its requests are answered: then exit 0
-
+    sock, metrics, engine = _listen(cfg.host, cfg.port), Metrics(), None
     try:
+        run = str(pull_run(args.run)) if args.run else None
+        engine = Engine(run=run, shards=local_shards(args.shards), model_dir=args.model,
+                        max_memory=cfg.max_memory or None, routing=cfg.routing, route_every=cfg.route_every,
+                        max_batch=cfg.max_batch, round=cfg.round, metrics=metrics, name=args.name)
+        upstreams = Upstreams(parse_upstreams(args.upstream, engine.paths)) if args.upstream else None
+        engine.remote = upstreams
+        server = Server(engine, metrics, api_key, cfg.max_queue, upstreams)
+        logging.basicConfig(level=logging.INFO, format="dipaco serve: %(message)s", stream=sys.stderr)
+        host, port = sock.getsockname()[:2]
+        print(f"dipaco serve: {engine.name} ({len(engine.paths)} paths; routing: {engine.routing_cost()}; module "
+              f"budget {engine.budget / 1e9:.2f} GB) on http://{host}:{port}/v1", flush=True)
+        config = uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=30, lifespan="off")
+
+        class Graceful(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                super().handle_exit(sig, frame)
+                server.closing = True
+                self._captured_signals.clear()  # SIGTERM ends the server once its requests are answered: exit 0
+
         Graceful(config).run(sockets=[sock])
     finally:
-        engine.close()
-    print(f"dipaco serve: stopped; requests in flight were answered", file=sys.stderr)
+        if engine is not None:
+            engine.close()
+        sock.close()
+    print("dipaco serve: stopped; requests in flight were answered", file=sys.stderr)

@@ -223,8 +223,8 @@ class Batcher:
             self._admit()
             worked = self._start_rows()
             worked |= self._decode()
-            if not worked:
-                self.wake.wait(0.05)
+            if not worked:  # a submission or a finished load wakes it; the timeout notices cancelled waiting jobs
+                self.wake.wait(0.05 if self.waiting or self.batches else 1.0)
 
     def _admit(self) -> None:
         while True:
