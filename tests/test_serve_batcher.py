@@ -170,3 +170,29 @@ def test_a_cold_path_waits_for_memory_while_others_are_answered(paths_in_budget)
     sampler.join()
     assert all(e[-1] == ("done", "length") for e in events.values())
     assert max(seen) <= budget and not cache.pins
+
+
+class SlowSource(FakeSource):
+    def load(self, module: str) -> dict[str, torch.Tensor]:
+        time.sleep(0.4)
+        return super().load(module)
+
+
+def test_a_request_that_leaves_while_its_path_loads_leaves_no_pin():
+    """A client that goes while its cold path loads: the loader's pin of that path is given back, so under a budget of
+    one path another path still loads and answers (a kept pin would hold the memory for good)."""
+    source = SlowSource()
+    cache = ModuleCache(source, budget=source.nbytes["x0"] + source.nbytes["y0"])
+    batcher = Batcher(cache, eos=CONFIG.eos_token_id).start()
+    gone = Job("a", [1, 2, 3], 4, None)
+    events = {0: []}
+    gone.emit = lambda kind, payload: events[0].append((kind, payload))
+    batcher.submit(gone)
+    time.sleep(0.2)  # the loader is bringing a in
+    gone.cancelled = True
+    time.sleep(1.2)  # a is resident now
+    later = {0: []}
+    run_jobs(batcher, [Job("d", [1, 2, 3], 4, None)], later)
+    batcher.stop()
+    assert events[0] == [("done", "cancelled")] and later[0][-1] == ("done", "length")
+    assert batcher.in_flight == 0 and not cache.pins

@@ -237,6 +237,10 @@ class Batcher:
     def _start_rows(self) -> bool:
         """Prefill waiting jobs of resident paths (up to the batch limit) and ask the loader for cold ones."""
         worked = False
+        for path in list(self.held) + list(self.failed):
+            if not self.waiting.get(path):  # every job of a path being loaded left meanwhile: give back the loader's
+                self.failed.pop(path, None)  # pin (kept, it would hold the memory for good) and forget a stale failure
+                self._release(path)
         for path in list(self.waiting):
             jobs = [j for j in self.waiting[path] if not self._drop_cancelled(j)]
             self.waiting[path] = jobs
@@ -267,9 +271,10 @@ class Batcher:
     def _release(self, path: str) -> None:
         """The loader's pin of a path loaded for waiting jobs, once they started (or left)."""
         self.loading.discard(path)
-        if path in self.held:
-            self.held.discard(path)
-            self.cache.pin(path, -1)
+        with self._count:  # against the loader adding its pin of this path right now
+            if path in self.held:
+                self.held.discard(path)
+                self.cache.pin(path, -1)
 
     def _prefill(self, path: str, model, jobs: list[Job]) -> None:
         self.cache.pin(path, len(jobs))
@@ -371,7 +376,14 @@ class Batcher:
                     self.failed[path] = f"cannot load path {path}: {exc}"
                     break
                 if model is not None:
-                    self.held.add(path)
+                    with self._count:  # a path asked for twice (its jobs left and others came) is pinned once
+                        if path in self.held:
+                            self.cache.pin(path, -1)
+                        else:
+                            self.held.add(path)
+                    self.blocked.discard(path)
+                    break
+                if not self.waiting.get(path):  # its jobs left while it waited for memory: stop holding others back
                     self.blocked.discard(path)
                     break
                 self.blocked.add(path)  # everything resident is in use: wait for rows to finish
