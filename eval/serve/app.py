@@ -169,8 +169,9 @@ class Server:
         runs = [(i * req.sampling.n + k, x, p, how, req.prompts[i])
                 for i, (x, (p, how)) in enumerate(zip(ids, routes)) for k in range(req.sampling.n)]
         if req.sampling.stream:
-            return ClosingStream(self._stream(rid, req.model, runs, req.sampling, reserved, endpoint),
-                                     media_type="text/event-stream", headers=headers)
+            release = _once(lambda: setattr(self, "pending", self.pending - reserved))
+            return ClosingStream(self._stream(rid, req.model, runs, req.sampling, release, endpoint),
+                                 media_type="text/event-stream", headers=headers, release=release)
         try:
             choices = await self._gather(request, runs, req.sampling)
         except ApiError as exc:
@@ -227,6 +228,13 @@ class Server:
             await asyncio.gather(everything, return_exceptions=True)
             return None
         watcher.cancel()
+        failed = everything.exception()
+        if failed is not None:  # gather leaves the other choices running: stop them, so their rows leave too
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if not isinstance(failed, ApiError):
+                raise ApiError(500, f"{type(failed).__name__}: {failed}", kind="server_error") from failed
         return everything.result()
 
     async def _one_choice(self, index: int, ids: list[int], path: str, how: str, prompt, s: api.Sampling) -> dict:
@@ -273,7 +281,7 @@ class Server:
         piece = self._piece(token)
         return out if any(p == piece for p, _ in out) else out + [(piece, lp)]
 
-    async def _stream(self, rid: str, model: str, runs, s: api.Sampling, reserved: int, endpoint: str):
+    async def _stream(self, rid: str, model: str, runs, s: api.Sampling, release, endpoint: str):
         """Server-sent events: one chunk per piece of text of any choice, as it comes; then ``data: [DONE]``."""
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -315,7 +323,7 @@ class Server:
             self.metrics.request(endpoint, 200)
         finally:  # the client left, or we are done: stop every choice still running. No await here: when the client
             # left, this runs inside a cancelled task group, where any await is cancelled again at once
-            self.pending -= reserved
+            release()
             for t in tasks:
                 t.cancel()
 
@@ -358,13 +366,32 @@ class Server:
 
 class ClosingStream(StreamingResponse):
     """A stream whose generator is always closed, also when the client leaves mid-way (Starlette stops iterating
-    then, and a generator left suspended would hold its rows and queue places until garbage collection)."""
+    then, and a generator left suspended would hold its rows and queue places until garbage collection). ``release``
+    gives back the queue places also when the client left before the generator ever ran (closing a generator that
+    never started runs none of its code)."""
+
+    def __init__(self, *args, release=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.release = release
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if self.release is not None:
+                self.release()
             await self.body_iterator.aclose()
+
+
+def _once(fn):
+    """``fn`` that runs the first time it is called only."""
+    called = []
+
+    def run():
+        if not called:
+            called.append(True)
+            fn()
+    return run
 
 
 class _Rebodied(Request):

@@ -1,0 +1,103 @@
+"""The HTTP layer alone, in process: a fake engine (one character a token, jobs answered by a thread) behind the real
+``Server``, so cancellation and queue places on error paths are checked in milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+from starlette.testclient import TestClient
+
+from dipaco.eval.serve.app import Server
+from dipaco.eval.serve.metrics import Metrics
+
+
+class CharTokenizer:
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+class FakeEngine:
+    """Paths 'a' and 'b'; a prompt starting with '!' fails in the batcher, others get 'x' every 10 ms."""
+
+    name, paths, route_every, routing, max_len, budget = "m", ["a", "b"], 0, "run", 100_000, 1
+
+    def __init__(self):
+        self.tokenizer, self.ends = CharTokenizer(), []
+        self.source = SimpleNamespace(config=SimpleNamespace(vocab_size=256))
+        self.batcher = SimpleNamespace(in_flight=0)
+        self.cache = SimpleNamespace(resident_bytes=0, parameter_bytes=lambda: 0, models={})
+
+    def routing_cost(self):
+        return "none"
+
+    def route(self, ids):
+        return "a", "test"
+
+    def submit(self, job):
+        threading.Thread(target=self._run, args=(job,), daemon=True).start()
+
+    def _run(self, job):
+        if job.ids[0] == ord("!"):
+            self.ends.append("error")
+            return job.emit("error", "boom")
+        for _ in range(job.max_new):
+            if job.cancelled:
+                self.ends.append("cancelled")
+                return job.emit("done", "cancelled")
+            job.emit("token", (ord("x"), -0.5, []))
+            time.sleep(0.01)
+        self.ends.append("length")
+        job.emit("done", "length")
+
+
+def _server():
+    engine = FakeEngine()
+    return engine, Server(engine, Metrics(), max_queue=8)
+
+
+def _settle(engine, n, timeout=5.0):
+    deadline = time.time() + timeout
+    while len(engine.ends) < n and time.time() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_failed_choice_stops_its_siblings_and_frees_the_queue():
+    engine, server = _server()
+    with TestClient(server.app) as client:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": ["!x", "hello"], "max_tokens": 500})
+        _settle(engine, 2)
+    assert r.status_code == 500 and r.json()["error"]["message"] == "boom"
+    assert sorted(engine.ends) == ["cancelled", "error"]  # the other choice's row left at once, not after 500 tokens
+    assert server.pending == 0
+
+
+def test_a_stream_whose_client_left_before_it_began_frees_its_queue_places():
+    """The client goes while the response's first message is being written: Starlette cancels the stream before its
+    generator ever runs, so the generator's own cleanup never runs; the queue places must still come back."""
+    engine, server = _server()
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True, "n": 3}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(0.01)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        await asyncio.sleep(0.1)  # a slow socket
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "headers": [(b"content-type", b"application/json")], "root_path": "",
+             "scheme": "http", "server": ("test", 80), "client": ("test", 1)}
+    asyncio.run(server.app(scope, receive, send))
+    assert server.pending == 0
