@@ -16,7 +16,10 @@ from dipaco.eval.serve.metrics import Metrics
 
 
 class CharTokenizer:
-    chat_template = None
+    chat_template = "plain"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(m["content"] for m in messages)
 
     def __call__(self, text, add_special_tokens=False):
         return {"input_ids": [ord(c) for c in text]}
@@ -101,3 +104,22 @@ def test_a_stream_whose_client_left_before_it_began_frees_its_queue_places():
              "scheme": "http", "server": ("test", 80), "client": ("test", 1)}
     asyncio.run(server.app(scope, receive, send))
     assert server.pending == 0
+
+
+def _events(response) -> list:
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+
+
+def test_a_choice_that_fails_mid_stream_sends_an_error_event():
+    """OpenAI's clients raise on an ``error`` event; a finish_reason of "error: ..." (not one of OpenAI's) went by
+    unnoticed, and chat's stream broke on the event an upstream sends."""
+    engine, server = _server()
+    with TestClient(server.app) as client:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": ["!x", "hi"], "max_tokens": 3, "stream": True})
+        chat = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "!"}],
+                                                         "stream": True})
+    events = _events(r)
+    assert {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}} in events
+    assert {c["finish_reason"] for e in events for c in e.get("choices", [])} <= {None, "length", "stop"}
+    assert r.text.endswith("data: [DONE]\n\n") and server.pending == 0
+    assert chat.status_code == 200 and [e["error"]["message"] for e in _events(chat)] == ["boom"]

@@ -300,8 +300,9 @@ class Server:
                         await queue.put((index, text.delta(), None, payload[3], how))
                     elif kind == "done":
                         reason = payload
-            except ApiError as exc:
-                reason = "error: " + exc.message
+            except Exception as exc:  # an error event, which OpenAI's clients raise (finish_reason has no "error")
+                reason = exc if isinstance(exc, ApiError) else ApiError(500, f"{type(exc).__name__}: {exc}",
+                                                                         kind="server_error")
             finally:
                 await events.aclose()
                 await queue.put((index, text.delta(final=True), reason, path, how))
@@ -313,6 +314,9 @@ class Server:
                 index, delta, reason, path, how = await queue.get()
                 if reason is not None:
                     left -= 1
+                if isinstance(reason, ApiError):
+                    yield f"data: {json.dumps(reason.body())}\n\n"
+                    continue
                 if not delta and reason is None:
                     continue
                 choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": reason, "path": path,
@@ -410,6 +414,9 @@ async def _chat_chunks(chunks):
                 yield line
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # an error event (ours, or an upstream's) has no choices to reshape
+                yield line
+                continue
             chunk["object"], chunk["id"] = "chat.completion.chunk", chunk["id"].replace("cmpl", "chatcmpl")
             for c in chunk["choices"]:
                 text = c.pop("text")
