@@ -34,7 +34,7 @@ class FakeEngine:
     name, paths, route_every, routing, max_len, budget = "m", ["a", "b"], 0, "run", 100_000, 1
 
     def __init__(self):
-        self.tokenizer, self.ends = CharTokenizer(), []
+        self.tokenizer, self.ends, self.seeds = CharTokenizer(), [], []
         self.source = SimpleNamespace(config=SimpleNamespace(vocab_size=256))
         self.batcher = SimpleNamespace(in_flight=0)
         self.cache = SimpleNamespace(resident_bytes=0, parameter_bytes=lambda: 0, models={})
@@ -46,6 +46,7 @@ class FakeEngine:
         return "a", "test"
 
     def submit(self, job):
+        self.seeds.append(job.seed)
         threading.Thread(target=self._run, args=(job,), daemon=True).start()
 
     def _run(self, job):
@@ -123,3 +124,15 @@ def test_a_choice_that_fails_mid_stream_sends_an_error_event():
     assert {c["finish_reason"] for e in events for c in e.get("choices", [])} <= {None, "length", "stop"}
     assert r.text.endswith("data: [DONE]\n\n") and server.pending == 0
     assert chat.status_code == 200 and [e["error"]["message"] for e in _events(chat)] == ["boom"]
+
+
+def test_the_n_choices_of_a_seeded_request_are_n_samples():
+    """With a seed, every choice sampled with the same generator: n > 1 gave n copies of one answer."""
+    engine, server = _server()
+    with TestClient(server.app) as client:
+        for stream in (False, True):
+            r = client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"], "max_tokens": 1, "n": 3,
+                                                     "seed": 5, "temperature": 1, "stream": stream})
+            assert r.status_code == 200
+    first, second = engine.seeds[:6], engine.seeds[6:]
+    assert sorted(first) == sorted(second) and first.count(5) == 2 and len(set(first)) == 3  # as many as n

@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from dipaco.eval.serve import api
 from dipaco.eval.serve.api import ApiError
-from dipaco.eval.serve.choices import Text, choice_events, tokens_in
+from dipaco.eval.serve.choices import Text, choice_events, choice_seed, tokens_in
 
 log = logging.getLogger("dipaco.serve")
 
@@ -240,7 +240,7 @@ class Server:
     async def _one_choice(self, index: int, ids: list[int], path: str, how: str, prompt, s: api.Sampling) -> dict:
         text, prompt_lp, new = Text(self._decode, s.stop), None, []
         reason = "length"
-        events = choice_events(self.engine, ids, path, s, s.seed, rerouted=how != "pinned by the model name")
+        events = choice_events(self.engine, ids, path, s, choice_seed(s, index), rerouted=how != "pinned by the model name")
         try:
             async for kind, payload in events:
                 if kind == "prompt":
@@ -287,7 +287,7 @@ class Server:
 
         async def pump(index, ids, path, how, prompt):
             text, reason = Text(self._decode, s.stop), "length"
-            events = choice_events(self.engine, ids, path, s, s.seed, rerouted=how != "pinned by the model name")
+            events = choice_events(self.engine, ids, path, s, choice_seed(s, index), rerouted=how != "pinned by the model name")
             try:
                 if s.echo:
                     await queue.put((index, prompt if isinstance(prompt, str) else self._decode(ids), None, path, how))

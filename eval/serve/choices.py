@@ -32,6 +32,13 @@ async def job_events(engine, job: Job):
         job.cancelled = True
 
 
+def choice_seed(s: Sampling, index: int) -> int | None:
+    """The seed of choice ``index`` (prompt i's k-th of n is i * n + k): the request's for each prompt's first choice,
+    then one apart by 2**32 (segments take seed + 1, + 2, ...), so the n choices of a seeded request are n samples,
+    not one repeated n times."""
+    return None if s.seed is None else s.seed + ((index % s.n) << 32)
+
+
 async def choice_events(engine, ids: list[int], path: str, s: Sampling, seed: int | None, rerouted: bool):
     """Events of one choice: ``("prompt", [(logprob, top)])`` (echo with logprobs), ``("token", (id, logprob, top,
     path))`` per new token and ``("done", reason)``. With ``rerouted``, every W new tokens the run's every-W rule picks
