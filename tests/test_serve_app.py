@@ -43,7 +43,7 @@ class FakeEngine:
         return "none"
 
     def route(self, ids):
-        return "a", "test"
+        return ("b" if ids[0] == ord("b") else "a"), "test"
 
     def submit(self, job):
         self.seeds.append(job.seed)
@@ -136,3 +136,31 @@ def test_the_n_choices_of_a_seeded_request_are_n_samples():
             assert r.status_code == 200
     first, second = engine.seeds[:6], engine.seeds[6:]
     assert sorted(first) == sorted(second) and first.count(5) == 2 and len(set(first)) == 3  # as many as n
+
+
+def test_a_front_router_answers_prompts_of_its_own_paths_next_to_forwarded_ones():
+    """Several prompts, some routed to a path served upstream and some to a path served here (the docs: paths without
+    an upstream are served locally): the local ones were sent to the upstreams too, a KeyError and a bare 500."""
+    import httpx
+
+    from dipaco.eval.serve.upstream import Upstreams
+
+    def upstream(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "up"}]})
+        body = json.loads(request.content)
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": "up:" + body["prompt"], "finish_reason": "length",
+                                                      "logprobs": None}], "usage": {"prompt_tokens": 2, "completion_tokens": 1}})
+
+    engine = FakeEngine()
+    ups = Upstreams({"b": "http://upstream-b"})
+    ups.client = httpx.AsyncClient(transport=httpx.MockTransport(upstream))
+    server = Server(engine, Metrics(), max_queue=8, upstreams=ups)
+    with TestClient(server.app) as client:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": ["aa", "bb"], "max_tokens": 2, "n": 2})
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert [(c["index"], c["text"], c["path"], c["routing"]) for c in choices] == [
+        (0, "xx", "a", "test"), (1, "xx", "a", "test"), (2, "up:bb", "b", "test")]
+    assert r.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+    assert server.pending == 0

@@ -164,7 +164,7 @@ class Server:
         headers = {"X-Dipaco-Path": ",".join(dict.fromkeys(p for p, _ in routes)), "X-Dipaco-Routing": routes[0][1]}
         if self.upstreams is not None and any(self.upstreams.serves(p) for p, _ in routes):
             self.pending -= reserved
-            return await self._forward(raw, req, routes, headers, endpoint)
+            return await self._forward(request, raw, req, routes, headers, endpoint)
         rid = api.new_id("cmpl")
         runs = [(i * req.sampling.n + k, x, p, how, req.prompts[i])
                 for i, (x, (p, how)) in enumerate(zip(ids, routes)) for k in range(req.sampling.n)]
@@ -185,9 +185,9 @@ class Server:
         self.metrics.request(endpoint, 200)
         return JSONResponse(api.envelope("text_completion", rid, req.model, choices, {"usage": used}), headers=headers)
 
-    async def _forward(self, raw: dict, req, routes, headers: dict, endpoint: str) -> Response:
+    async def _forward(self, request, raw: dict, req, routes, headers: dict, endpoint: str) -> Response:
         """Requests routed to paths served upstream: forwarded whole when every prompt has the same path, else one
-        forward per prompt, merged (not while streaming)."""
+        forward per prompt (or, for a path without an upstream, an answer from here), merged (not while streaming)."""
         try:
             if len(set(routes)) == 1:
                 status, payload, lines = await self.upstreams.forward(raw, endpoint, *routes[0])
@@ -199,7 +199,7 @@ class Server:
             if req.sampling.stream:
                 raise ApiError(400, "these prompts go to different paths served upstream; stream one prompt per request",
                                "prompt")
-            answers = await asyncio.gather(*(self.upstreams.forward(dict(raw, prompt=p), endpoint, *r)
+            answers = await asyncio.gather(*(self._answer(request, dict(raw, prompt=p), endpoint, *r)
                                              for p, r in zip(req.prompts, routes)))
         except ApiError as exc:
             return self._error(endpoint, exc)
@@ -216,6 +216,16 @@ class Server:
         self.metrics.request(endpoint, 200)
         return JSONResponse(api.envelope("text_completion", api.new_id("cmpl"), req.model, choices, {"usage": used}),
                             headers=headers)
+
+    async def _answer(self, request, body: dict, endpoint: str, path: str, how: str):
+        if self.upstreams.serves(path):
+            return await self.upstreams.forward(body, endpoint, path, how)
+        # a prompt of this request routed to a path served here (asking an upstream for it was a KeyError and a 500)
+        r = await self.completions(_Rebodied(request, dict(body, model=f"{self.engine.name}/{path}")))
+        out = json.loads(r.body or b"{}")
+        for c in out.get("choices", []):
+            c["routing"] = how
+        return r.status_code, out, None
 
     async def _gather(self, request: Request, runs, s: api.Sampling) -> list[dict] | None:
         """Every choice to its end; None if the client disconnects first (its rows are freed)."""
@@ -390,12 +400,7 @@ class ClosingStream(StreamingResponse):
 def _once(fn):
     """``fn`` that runs the first time it is called only."""
     called = []
-
-    def run():
-        if not called:
-            called.append(True)
-            fn()
-    return run
+    return lambda: None if called else (called.append(True), fn())
 
 
 class _Rebodied(Request):
