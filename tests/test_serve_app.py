@@ -164,3 +164,12 @@ def test_a_front_router_answers_prompts_of_its_own_paths_next_to_forwarded_ones(
         (0, "xx", "a", "test"), (1, "xx", "a", "test"), (2, "up:bb", "b", "test")]
     assert r.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
     assert server.pending == 0
+
+
+def test_a_request_larger_than_the_queue_is_a_400_not_a_429():
+    """A 429 says "retry shortly" (Retry-After), but a request of more choices than the queue holds never fits."""
+    engine, server = _server()
+    with TestClient(server.app) as client:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b", "c"], "max_tokens": 1, "n": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        assert client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"], "n": 4}).status_code == 200

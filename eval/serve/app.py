@@ -85,6 +85,8 @@ class Server:
                             f"(pinned); see GET /v1/models", "model", "model_not_found")
 
     def _reserve(self, n: int) -> None:
+        if n > self.max_queue:  # it never fits: a 429 would have clients (Retry-After) send it again forever
+            raise ApiError(400, f"{n} choices (prompts times n) are more than --max-queue {self.max_queue}", "n")
         if self.pending + n > self.max_queue:
             raise ApiError(429, f"the server is busy ({self.pending} choices in flight, at most {self.max_queue}); "
                                 f"retry shortly", kind="rate_limit_error", headers={"Retry-After": "1"})
