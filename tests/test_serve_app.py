@@ -173,3 +173,16 @@ def test_a_request_larger_than_the_queue_is_a_400_not_a_429():
         r = client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b", "c"], "max_tokens": 1, "n": 3})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
         assert client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"], "n": 4}).status_code == 200
+
+
+def test_every_choice_of_a_chat_stream_begins_with_the_role():
+    """OpenAI names the role in each choice's first delta; only the stream's very first chunk had it (n > 1)."""
+    engine, server = _server()
+    with TestClient(server.app) as client:
+        r = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 2, "n": 3, "stream": True})
+    first = {}
+    for e in _events(r):
+        for c in e["choices"]:
+            first.setdefault(c["index"], c["delta"])
+    assert first == {i: {"role": "assistant", "content": "x"} for i in range(3)}

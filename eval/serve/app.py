@@ -414,7 +414,7 @@ class _Rebodied(Request):
 
 
 async def _chat_chunks(chunks):
-    first = True
+    named = set()  # choices whose first delta (the one that carries the role) was sent
     try:
         async for line in chunks:
             if not line.startswith("data: {"):
@@ -428,8 +428,8 @@ async def _chat_chunks(chunks):
             for c in chunk["choices"]:
                 text = c.pop("text")
                 c.pop("logprobs", None)
-                c["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
-            first = False
+                c["delta"] = ({} if c["index"] in named else {"role": "assistant"}) | ({"content": text} if text else {})
+                named.add(c["index"])
             yield f"data: {json.dumps(chunk)}\n\n"
     finally:
         await chunks.aclose()
