@@ -196,3 +196,25 @@ def test_a_request_that_leaves_while_its_path_loads_leaves_no_pin():
     batcher.stop()
     assert events[0] == [("done", "cancelled")] and later[0][-1] == ("done", "length")
     assert batcher.in_flight == 0 and not cache.pins
+
+
+def test_stopping_ends_every_job_and_refuses_new_ones():
+    """Jobs still running or waiting when the batcher stops end with an error (a thread waiting for one, as routing
+    does with no timeout, waited forever and held the process at exit), and a job submitted afterwards too."""
+    batcher = Batcher(ModuleCache(FakeSource(), budget=10**9), eos=CONFIG.eos_token_id).start()
+    events = {i: [] for i in range(3)}
+    ended = [threading.Event() for _ in range(3)]
+    jobs = [Job("a", [1, 2, 3], 100_000, None), Job("b", [4, 5], 100_000, None), Job("a", [6], 100_000, None)]
+    for i, job in enumerate(jobs):
+        job.emit = lambda kind, payload, i=i: (events[i].append((kind, payload)),
+                                               kind in ("done", "error") and ended[i].set())
+    batcher.submit(jobs[0]), batcher.submit(jobs[1])
+    deadline = time.time() + 30
+    while not (events[0] and events[1]) and time.time() < deadline:
+        time.sleep(0.01)
+    batcher.stop()
+    assert ended[0].wait(10) and ended[1].wait(10)
+    batcher.threads[0].join(10)
+    batcher.submit(jobs[2])
+    assert ended[2].wait(1)
+    assert all(events[i][-1][0] == "error" for i in range(3)) and batcher.in_flight == 0

@@ -194,6 +194,7 @@ class Batcher:
         self.failed: dict[str, str] = {}  # path -> why its load failed (the loader says, the batcher answers its jobs)
         self.wake = threading.Event()
         self.stopping = False
+        self.stopped = False  # the loop has ended: submissions are refused
         self.in_flight = 0  # jobs submitted and not done (the server bounds this)
         self._count = threading.Lock()
         self.threads = [threading.Thread(target=self._loop, name="dipaco-batcher", daemon=True),
@@ -210,9 +211,14 @@ class Batcher:
         self.loads.put("")
 
     def submit(self, job: Job) -> None:
-        with self._count:
-            self.in_flight += 1
-        self.inbox.put(job)
+        with self._count:  # under the lock: a job is either refused here or answered by the stopped loop's drain
+            stopped = self.stopped
+            if not stopped:
+                self.in_flight += 1
+                self.inbox.put(job)
+        if stopped:
+            job.emit("error", "the server is stopping")
+            return
         self.wake.set()
 
     # ----------------------------------------------------------------- the loop
@@ -225,6 +231,14 @@ class Batcher:
             worked |= self._decode()
             if not worked:  # a submission or a finished load wakes it; the timeout notices cancelled waiting jobs
                 self.wake.wait(0.05 if self.waiting or self.batches else 1.0)
+        # stopped: every job not done ends now, else whoever waits for it (a routing thread in Engine.run_jobs, which
+        # has no timeout) waits forever, and the process cannot exit
+        with self._count:
+            self.stopped = True
+        self._admit()
+        for job in [j for js in self.waiting.values() for j in js] + [j for b in self.batches.values() for j in b.jobs]:
+            self._finish(job, "error", "the server stopped before this request was answered")
+        self.waiting, self.batches = {}, {}
 
     def _admit(self) -> None:
         while True:
