@@ -30,7 +30,7 @@ def test_prompts_take_every_form_openai_allows():
     ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"), ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
     ({"model": "m", "prompt": "x", "n": 17}, "n"), ({"model": "m", "prompt": "x", "max_tokens": 1.5}, "max_tokens"),
     ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"), ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
-    ({"model": "m", "prompt": "x", "stop": ""}, "stop"), ({"model": "m", "prompt": "x", "stop": ["a"] * 5}, "stop"),
+    ({"model": "m", "prompt": "x", "stop": ""}, "stop"), ({"model": "m", "prompt": "x", "stop": ["a"] * 17}, "stop"),
     ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"), ({"model": "m", "prompt": "x", "suffix": "!"}, "suffix"),
     ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ({"model": "m", "prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"), ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
@@ -94,3 +94,9 @@ def test_metrics_render_prometheus_text():
     assert 'dipaco_batch_size_bucket{le="1"} 1' in text and 'dipaco_batch_size_bucket{le="4"} 2' in text
     assert "dipaco_batch_size_max 3" in text and "dipaco_queue_depth 2" in text and "dipaco_prompt_tokens_total 7" in text
     assert all(line.startswith("#") or len(line.split(" ")) == 2 for line in text.strip().splitlines())
+
+
+def test_stop_strings_of_an_lm_eval_code_task_are_taken():
+    """lm-eval's local-completions sends a task's every `until` plus the EOS, uncut: five or more for code tasks."""
+    until = ["\nclass", "\ndef", "\n#", "\nif", "\nprint", "<|endoftext|>"]
+    assert completion_request({"model": "m", "prompt": "def f():", "stop": until}).sampling.stop == until

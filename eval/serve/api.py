@@ -44,7 +44,8 @@ class CompletionRequest:
 
 MAX_N = 16
 MAX_LOGPROBS = 20
-MAX_STOPS = 4
+# OpenAI takes 4, but lm-eval's local-completions sends a task's every `until` and the EOS, uncut (vLLM takes any)
+MAX_STOPS = 16
 
 
 def _number(body: dict, key: str, default, lo: float, hi: float, integer: bool = False):
