@@ -9,25 +9,38 @@ streaming, holding back what might still become a stop string or is half of a ch
 from __future__ import annotations
 
 import asyncio
+import collections
 from dataclasses import dataclass, field
 
 from dipaco.eval.serve.api import ApiError, Sampling
 from dipaco.eval.serve.batcher import Job
 
 
-async def job_events(engine, job: Job):
-    """The events of one batcher job, as they come; a consumer that stops early cancels the job (its row leaves the
-    batch at the next step)."""
+async def job_events(engine, job: Job, eager: bool = True):
+    """The events of one batcher job; a consumer that stops early cancels the job (its row leaves the batch at the next
+    step). ``eager``: the event loop is woken for every token (a stream, stop strings to watch); otherwise tokens are
+    collected on the batcher's side and handed over with the job's end, so a plain request costs the loop one wake-up
+    instead of one per token."""
     loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-    job.emit = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+    arrived = asyncio.Event()
+    events: collections.deque = collections.deque()
+
+    def emit(kind, payload):
+        events.append((kind, payload))  # deque appends and pops are thread-safe
+        if eager or kind != "token":
+            loop.call_soon_threadsafe(arrived.set)
+
+    job.emit = emit
     engine.submit(job)
     try:
         while True:
-            kind, payload = await events.get()
-            yield kind, payload
-            if kind in ("done", "error"):
-                return
+            await arrived.wait()
+            arrived.clear()
+            while events:
+                kind, payload = events.popleft()
+                yield kind, payload
+                if kind in ("done", "error"):
+                    return
     finally:
         job.cancelled = True
 
@@ -51,7 +64,7 @@ async def choice_events(engine, ids: list[int], path: str, s: Sampling, seed: in
                   seed=None if seed is None else seed + len(spans), top_logprobs=s.logprobs or 0,
                   prompt_logprobs=s.echo and s.logprobs is not None and not spans)
         reason, made = "length", 0
-        async for kind, payload in job_events(engine, job):
+        async for kind, payload in job_events(engine, job, eager=s.stream or bool(s.stop)):
             if kind == "prompt":
                 yield "prompt", payload
             elif kind == "token":
