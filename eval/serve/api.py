@@ -98,13 +98,18 @@ def sampling_of(body: dict, max_tokens_key: str = "max_tokens", default_max: int
         stop=stop, n=_number(body, "n", 1, 1, MAX_N, integer=True), stream=_flag(body, "stream"))
 
 
-def completion_request(body) -> CompletionRequest:
-    """A /v1/completions body, checked."""
+def _model_of(body) -> str:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' is required: a model name from GET /v1/models", "model")
+    return model
+
+
+def completion_request(body) -> CompletionRequest:
+    """A /v1/completions body, checked."""
+    model = _model_of(body)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -128,11 +133,7 @@ def completion_request(body) -> CompletionRequest:
 
 def chat_request(body) -> tuple[str, list[dict], Sampling]:
     """A /v1/chat/completions body, checked: (model, messages, sampling)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise ApiError(400, "'model' is required: a model name from GET /v1/models", "model")
+    model = _model_of(body)
     messages = body.get("messages")
     if (not isinstance(messages, list) or not messages
             or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
