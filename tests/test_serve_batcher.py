@@ -218,3 +218,16 @@ def test_stopping_ends_every_job_and_refuses_new_ones():
     batcher.submit(jobs[2])
     assert ended[2].wait(1)
     assert all(events[i][-1][0] == "error" for i in range(3)) and batcher.in_flight == 0
+
+
+def test_a_temperature_that_overflows_the_logits_samples_greedily_and_the_batcher_lives():
+    """temperature 1e-50 (a valid request) made the probabilities NaN; multinomial raised on the batcher's thread,
+    which ended, and every request after it waited forever."""
+    batcher = Batcher(ModuleCache(FakeSource(), budget=10**9), eos=CONFIG.eos_token_id).start()
+    jobs = [Job("a", [1, 2, 3], 5, None, temperature=1e-50), Job("a", [1, 2, 3], 5, None)]
+    events = {0: [], 1: []}
+    run_jobs(batcher, jobs[:1], events)
+    run_jobs(batcher, jobs[1:], {0: events[1]})  # the thread lives: this one is answered
+    batcher.stop()
+    assert [p[0] for k, p in events[0] if k == "token"] == [p[0] for k, p in events[1] if k == "token"]
+    assert events[0][-1] == ("done", "length")

@@ -161,6 +161,8 @@ def sample(jobs: list[Job], logits: torch.Tensor) -> list[tuple[int, float, list
     for i, job in enumerate(jobs):
         if job.temperature > 0:
             probs = torch.softmax(logits[i] / job.temperature, dim=-1)
+            if not bool(torch.isfinite(probs).all()):  # a temperature so small the logits overflow: its limit, greedy
+                continue
             if job.top_p < 1:
                 sorted_p, order = probs.sort(descending=True)
                 drop = sorted_p.cumsum(0) - sorted_p >= job.top_p  # the top token always stays
@@ -309,7 +311,12 @@ class Batcher:
             if j.max_new == 0:
                 self._finish(j, "done", "length")
         going = [i for i, j in enumerate(jobs) if j.max_new > 0]
-        picks = sample([jobs[i] for i in going], last[going]) if going else []
+        try:  # an error here would end the batcher's thread, and with it every request after this one
+            picks = sample([jobs[i] for i in going], last[going]) if going else []
+        except Exception as exc:
+            for i in going:
+                self._finish(jobs[i], "error", f"sampling failed: {type(exc).__name__}: {exc}")
+            return
         for i, pick in zip(going, picks):
             jobs[i].position = len(jobs[i].ids)
             if self._take(jobs[i], pick):
@@ -343,8 +350,8 @@ class Batcher:
             if not batch.jobs:
                 del self.batches[path]
                 continue
-            try:
-                logits = batch.step()
+            try:  # sampling too: an error outside this would end the batcher's thread
+                picks = sample(batch.jobs, batch.step())
             except Exception as exc:
                 for j in batch.jobs:
                     self._finish(j, "error", f"the forward pass failed: {type(exc).__name__}: {exc}")
@@ -353,7 +360,7 @@ class Batcher:
             if self.metrics is not None:
                 self.metrics.decode_step(path, len(batch.jobs))
             keep = []
-            for i, (j, pick) in enumerate(zip(batch.jobs, sample(batch.jobs, logits))):
+            for i, (j, pick) in enumerate(zip(batch.jobs, picks)):
                 j.position += 1
                 if self._take(j, pick):
                     keep.append(i)
