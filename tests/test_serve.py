@@ -167,7 +167,7 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
              ({"model": "tiny", "prompt": "word " * 5000}, 400), ({"model": "tiny", "prompt": "x", "temperature": 9}, 400),
              ({"model": "tiny", "prompt": "x", "n": 0}, 400), ({"model": "tiny", "prompt": "x", "max_tokens": -1}, 400),
              ({"model": "tiny", "prompt": "x", "logprobs": 50}, 400), ({"model": "tiny", "prompt": []}, 400),
-             ({"model": "tiny", "prompt": [10**9]}, 400), ({"model": "tiny", "prompt": "x", "stop": ["a"] * 5}, 400),
+             ({"model": "tiny", "prompt": [10**9]}, 400), ({"model": "tiny", "prompt": "x", "stop": ["a"] * 17}, 400),
              ({"model": "tiny", "prompt": "x", "frequency_penalty": 1.0}, 400), ({"prompt": "x"}, 400), ([1, 2], 400)]
     for body, status in cases:
         code, answer, _ = server.post("/v1/completions", body)
