@@ -231,3 +231,31 @@ def test_a_temperature_that_overflows_the_logits_samples_greedily_and_the_batche
     batcher.stop()
     assert [p[0] for k, p in events[0] if k == "token"] == [p[0] for k, p in events[1] if k == "token"]
     assert events[0][-1] == ("done", "length")
+
+
+class RacingCache(ModuleCache):
+    """The loader's eviction landing between the batcher's look at a resident path and its pin of that path."""
+    raced = False
+
+    def model(self, path):
+        model = super().model(path)
+        if model is not None and not self.raced and not self.pins.get(path):
+            self.raced = True
+            with self.lock:
+                self._make_room(self.budget, keep=set())  # every unpinned module leaves, as for another path's load
+        return model
+
+
+def test_rows_never_run_on_a_path_evicted_before_its_pin():
+    cache = RacingCache(FakeSource(), budget=10**9)
+    cache.raced = True
+    cache.load("a")
+    cache.raced = False  # armed: the batcher's first look at a is raced
+    batcher = Batcher(cache, eos=CONFIG.eos_token_id).start()
+    job = Job("a", [1, 2, 3], 4, None)
+    events = {0: []}
+    run_jobs(batcher, [job], events)
+    batcher.stop()
+    assert cache.raced and events[0][-1] == ("done", "length")
+    # every token came from a model whose modules the budget counts (it was loaded again), not from evicted tensors
+    assert cache.source.loads.count("x0") == 2 and cache.is_resident("a") and not cache.pins

@@ -294,6 +294,10 @@ class Batcher:
 
     def _prefill(self, path: str, model, jobs: list[Job]) -> None:
         self.cache.pin(path, len(jobs))
+        if self.cache.model(path) is not model:  # the loader evicted it between our look and this pin: rows on it
+            self.cache.pin(path, -len(jobs))  # would hold memory the budget no longer counts; load it again first
+            self.waiting[path] = jobs + self.waiting.get(path, [])
+            return
         for j in jobs:
             j.pinned = True
         try:
