@@ -86,8 +86,27 @@ def load(url: str, model: str, clients: int, requests: int, max_tokens: int) -> 
     latencies = sorted(t for t, _ in results)
     tokens = sum(n for _, n in results)
     return {"clients": clients, "requests": requests, "tokens": tokens, "seconds": round(wall, 3),
-            "tokens_per_s": round(tokens / wall, 1), "p50_s": round(statistics.median(latencies), 4),
+            "tokens_per_s": round(tokens / wall, 1), "latencies": latencies, **_percentiles(latencies)}
+
+
+def _percentiles(latencies: list[float]) -> dict:
+    latencies = sorted(latencies)
+    return {"p50_s": round(statistics.median(latencies), 4),
             "p99_s": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 4)}
+
+
+def merged(windows: list[dict]) -> dict:
+    """Windows of one server and concurrency: the median window's tokens/s, latency percentiles over every request."""
+    latencies = [t for w in windows for t in w["latencies"]]
+    return {"clients": windows[0]["clients"], "requests": sum(w["requests"] for w in windows),
+            "tokens_per_s": statistics.median(w["tokens_per_s"] for w in windows),
+            "windows_tokens_per_s": [w["tokens_per_s"] for w in windows], **_percentiles(latencies)}
+
+
+def path_counts(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url + "/metrics").read().decode()
+    return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("dipaco_path_requests_total{")}
 
 
 def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -110,8 +129,11 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="/tmp/dipaco-bench-serve")
     ap.add_argument("--requests", type=int, default=48, help="requests per measurement")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2, help="windows per server and concurrency, alternating the order")
     ap.add_argument("--path", default="0-1")
     ap.add_argument("--port", type=int, default=18600)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of each server (the same for both); a tiny "
+                    "model gains nothing from a second thread, and spinning threads suffer most from other load")
     ap.add_argument("--out", default="bench/serve_results.json")
     args = ap.parse_args(argv)
 
@@ -120,32 +142,38 @@ def main(argv=None) -> int:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    load_before = list(os.getloadavg())  # other work on the machine skews every figure: it is kept with them
     run2, run4 = (Path(args.run), Path(args.run_4x4)) if args.run and args.run_4x4 else build(work)
     rr = load_run(run2, progress=False)
     export = work / f"export-{args.path}"
     if not (export / "config.json").exists():
         rr.export(args.path, export)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **threads}
     hf_url = f"http://127.0.0.1:{args.port}"
     hf = subprocess.Popen([str(Path(sys.executable).with_name("transformers")), "serve", "--port", str(args.port),
                            "--host", "127.0.0.1", str(export)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    ours = ServerProcess("--run", str(run2), "--name", "bench", env={"OMP_NUM_THREADS": str(os.cpu_count())})
+    ours = ServerProcess("--run", str(run2), "--name", "bench", env=threads)
     rows = []
     try:
         wait_up(hf_url, hf)
         for url, model in ((hf_url, str(export)), (ours.url, f"bench/{args.path}")):  # warm-up: loads, first passes
             load(url, model, 4, 8, 8)
+        servers = (("transformers serve", hf_url, str(export)), ("dipaco serve, pinned", ours.url, f"bench/{args.path}"))
         for clients in (1, 4, 16):
-            for name, url, model in (("transformers serve", hf_url, str(export)),
-                                     ("dipaco serve, pinned", ours.url, f"bench/{args.path}")):
-                r = load(url, model, clients, args.requests, args.max_tokens)
+            windows = {name: [] for name, _, _ in servers}
+            for w in range(args.repeats):  # A B, then B A: drift between windows falls on both servers alike
+                for name, url, model in (servers if w % 2 == 0 else servers[::-1]):
+                    windows[name].append(load(url, model, clients, args.requests, args.max_tokens))
+            for name, _, _ in servers:
+                r = merged(windows[name])
                 rows.append({"server": name, **r})
-                print(f"{name:22s} clients {clients:2d}: {r['tokens_per_s']:8.1f} tokens/s  p50 {r['p50_s']:.3f} s  "
-                      f"p99 {r['p99_s']:.3f} s", flush=True)
-        routed = load(ours.url, "bench", 16, args.requests, args.max_tokens)
+                print(f"{name:22s} clients {clients:2d}: {r['tokens_per_s']:8.1f} tokens/s {r['windows_tokens_per_s']} "
+                      f" p50 {r['p50_s']:.3f} s  p99 {r['p99_s']:.3f} s", flush=True)
+        before = path_counts(ours.url)
+        routed = merged([load(ours.url, "bench", 16, args.requests, args.max_tokens)])
         rows.append({"server": "dipaco serve, routed", **routed})
-        paths = {line.split('"')[1]: float(line.split()[-1]) for line in urllib.request.urlopen(ours.url + "/metrics")
-                 .read().decode().splitlines() if line.startswith("dipaco_path_requests_total{")}
+        paths = {p: n - before.get(p, 0) for p, n in path_counts(ours.url).items() if n > before.get(p, 0)}
         batch_max = ours.metric("dipaco_batch_size_max")
     finally:
         hf.terminate()
@@ -167,7 +195,9 @@ def main(argv=None) -> int:
           f"storage: {memory['parameter_bytes']:,}); the 16 exported paths hold {memory['exported_bytes']:,} "
           f"({memory['exported_bytes'] / memory['parameter_bytes']:.2f}x)")
     result = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-              "max_tokens": args.max_tokens, "requests": args.requests, "path": args.path, "rows": rows,
+              "load_average_before_after": [load_before, list(os.getloadavg())],
+              "threads_per_server": args.threads, "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "requests_per_window": args.requests, "path": args.path, "rows": rows,
               "pinned_over_transformers": ratio, "pinned_16_over_1": scaling, "largest_batch": batch_max,
               "routed_paths": paths, "memory_4x4": memory,
               "versions": {"transformers": __import__("transformers").__version__, "torch": __import__("torch").__version__}}
