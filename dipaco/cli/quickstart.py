@@ -70,4 +70,6 @@ def quickstart(out: str | Path = "dipaco-quickstart", rounds: int = 16, inner_st
     print()
     print(markdown_table(report))
     print(f"\nwall time {report['wall_seconds']:.0f} s; outputs in {out}/ (report: {files['markdown']}, plot: {files['plot']})")
+    print(f"next: dipaco generate --run {runs['dipaco-2x2'][0]} \"def main():\", or serve it over OpenAI's API with "
+          f"dipaco serve --run {runs['dipaco-2x2'][0]} (pip install -e '.[serve]'; docs/serving.md)")
     return report
