@@ -31,6 +31,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -179,6 +181,8 @@ def main(argv=None) -> int:
         hf.terminate()
         ours.stop()
     memory = resident_bytes(run4, work)
+    torch.set_num_threads(args.threads)  # routing is timed in this process: the servers' threads
+    route_ms = routing_cost(run2, work)
 
     by = {(r["server"], r["clients"]): r for r in rows}
     ratio = {c: round(by[("dipaco serve, pinned", c)]["tokens_per_s"] / by[("transformers serve", c)]["tokens_per_s"], 3)
@@ -189,7 +193,7 @@ def main(argv=None) -> int:
         print(f"| {r['server']} | {r['clients']} | {r['tokens_per_s']:.1f} | {r['p50_s']:.3f} | {r['p99_s']:.3f} |")
     print(f"\npinned / transformers serve: {ratio} (goal >= 0.9 at every concurrency)")
     print(f"dipaco pinned, 16 clients / 1 client: {scaling}x (goal >= 6x); largest batch {batch_max:.0f}")
-    print(f"routed: requests per path {paths}")
+    print(f"routed: requests per path {paths}; routing one prompt: {route_ms} ms")
     print(f"4x4 memory: {memory['resident_paths']} paths resident on {memory['resident_bytes']:,} bytes of modules "
           f"(distinct modules' files: {memory['distinct_module_bytes']:,}; tensors behind the paths' parameters, by "
           f"storage: {memory['parameter_bytes']:,}); the 16 exported paths hold {memory['exported_bytes']:,} "
@@ -199,12 +203,42 @@ def main(argv=None) -> int:
               "threads_per_server": args.threads, "max_tokens": args.max_tokens, "repeats": args.repeats,
               "requests_per_window": args.requests, "path": args.path, "rows": rows,
               "pinned_over_transformers": ratio, "pinned_16_over_1": scaling, "largest_batch": batch_max,
-              "routed_paths": paths, "memory_4x4": memory,
+              "routed_paths": paths, "routing_ms_per_prompt": route_ms, "memory_4x4": memory,
               "versions": {"transformers": __import__("transformers").__version__, "torch": __import__("torch").__version__}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
+
+
+def routing_cost(run2: Path, work: Path) -> dict:
+    """Milliseconds to route one prompt, in process: the shard router, and a prefix-loss rule (every path scores the
+    prompt's first tokens) on a copy of the run whose once rule says so."""
+    import shutil
+
+    from dipaco.eval.serve.engine import Engine
+
+    copy = work / "run-2x2-prefix-loss"
+    if not copy.exists():
+        shutil.copytree(run2, copy)
+        (copy / "routing").mkdir(exist_ok=True)
+        (copy / "routing" / "once.json").write_text(json.dumps(
+            {"chosen": {"kind": "prefix-loss", "prior": False}, "name": "prefix-loss", "reason": "set by bench/serve.py"}))
+    out = {}
+    for name, run, routing in (("shard router", run2, "shard"), ("prefix-loss", copy, "run")):
+        engine = Engine(run=run, routing=routing)
+        try:
+            prompts = [engine.rr.encode(p) for p in PROMPTS]
+            for ids in prompts[:2]:  # warm-up: every path loaded
+                engine.route(ids)
+            started = time.perf_counter()
+            for _ in range(4):
+                for ids in prompts:
+                    engine.route(ids)
+            out[name] = round(1000 * (time.perf_counter() - started) / (4 * len(prompts)), 2)
+        finally:
+            engine.close()
+    return out
 
 
 def resident_bytes(run4: Path, work: Path) -> dict:
