@@ -259,3 +259,23 @@ def test_rows_never_run_on_a_path_evicted_before_its_pin():
     assert cache.raced and events[0][-1] == ("done", "length")
     # every token came from a model whose modules the budget counts (it was loaded again), not from evicted tensors
     assert cache.source.loads.count("x0") == 2 and cache.is_resident("a") and not cache.pins
+
+
+def test_a_failure_outside_the_forward_pass_fails_its_rows_and_the_batcher_lives(monkeypatch):
+    from dipaco.eval.serve import batcher as batcher_module
+
+    batcher = Batcher(ModuleCache(FakeSource(), budget=10**9), eos=CONFIG.eos_token_id).start()
+    real_add, real_keep = batcher_module.PathBatch.add, batcher_module.PathBatch.keep
+    for target, name in ((batcher_module.PathBatch, "add"), (batcher_module.PathBatch, "keep")):
+        def broken(*args, **kwargs):
+            raise MemoryError("no room")
+        monkeypatch.setattr(target, name, broken)
+        events = {0: []}
+        run_jobs(batcher, [Job("a", [1, 2, 3], 5, None)], events)
+        assert events[0][-1][0] == "error" and "no room" in events[0][-1][1]
+        monkeypatch.setattr(batcher_module.PathBatch, "add", real_add)
+        monkeypatch.setattr(batcher_module.PathBatch, "keep", real_keep)
+    events = {0: []}
+    run_jobs(batcher, [Job("a", [1, 2, 3], 5, None)], events)  # the same batcher answers the next request
+    batcher.stop()
+    assert events[0][-1] == ("done", "length") and not batcher.cache.pins

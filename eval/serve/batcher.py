@@ -229,8 +229,15 @@ class Batcher:
         while not self.stopping:
             self.wake.clear()
             self._admit()
-            worked = self._start_rows()
-            worked |= self._decode()
+            try:
+                worked = self._start_rows()
+                worked |= self._decode()
+            except Exception as exc:  # a bug or memory outside a forward pass: the rows in hand fail, the loop lives
+                for batch in self.batches.values():
+                    for j in batch.jobs:
+                        self._finish(j, "error", f"the batcher failed: {type(exc).__name__}: {exc}")
+                self.batches.clear()
+                worked = True
             if not worked:  # a submission or a finished load wakes it; the timeout notices cancelled waiting jobs
                 self.wake.wait(0.05 if self.waiting or self.batches else 1.0)
         # stopped: every job not done ends now, else whoever waits for it (a routing thread in Engine.run_jobs, which
@@ -328,8 +335,12 @@ class Batcher:
                 keep.append(i)
         if rows:
             index = torch.tensor(keep)
-            kv = [(k[index], v[index]) for k, v in kv]
-            self.batches.setdefault(path, PathBatch(path, model)).add(rows, kv, mask[index])
+            try:  # joining copies the batch's cache: memory can run out here too
+                self.batches.setdefault(path, PathBatch(path, model)).add(rows, [(k[index], v[index]) for k, v in kv],
+                                                                          mask[index])
+            except Exception as exc:
+                for j in rows:
+                    self._finish(j, "error", f"joining the running batch failed: {type(exc).__name__}: {exc}")
 
     def _take(self, job: Job, pick: tuple[int, float, list]) -> bool:
         """Emit one sampled token; False when the job is done with it."""
