@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -268,6 +269,7 @@ def main(argv=None) -> int:
     from dipaco.taskqueue.runstore import pull_run
 
     os.environ.update(server.env)
+    shutil.rmtree(work / "pulled", ignore_errors=True)  # a copy of an earlier soak's run would be taken as this one's
     run = pull_run(url, into=work / "pulled")
     identical = rc == 0 and same_state(reference, run)
     head.stop()
