@@ -187,7 +187,7 @@ def same_state(a: Path, b: Path) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--faults", type=int, default=20)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--inner-steps", type=int, default=150, help="long enough for the faults to land mid-run")
