@@ -24,7 +24,6 @@ class RunModules:
     """Module tensors of one checkpoint round of a dipaco run."""
 
     def __init__(self, run, round: int | None = None):
-        from dipaco.model.path_model import PathModel
         from dipaco.storage import checkpoint
 
         self.run, self._checkpoint = run, checkpoint
@@ -36,12 +35,6 @@ class RunModules:
         folder = checkpoint.round_dir(run.root, self.round) / "modules"
         self.path_modules = {p: run.grid.path_modules(p) for p in self.paths}
         self.nbytes = {m: (folder / f"{m}.safetensors").stat().st_size for ms in self.path_modules.values() for m in ms}
-        # parameter names of each module, from one skeleton per path (no weights are allocated)
-        self.param_names: dict[str, list[str]] = {}
-        for p in self.paths:
-            with torch.device("meta"):
-                view = PathModel(run.grid, p, self.config)
-            self.param_names.update(view.module_params)
 
     def load(self, module: str) -> dict[str, torch.Tensor]:
         return self._checkpoint.load_modules(self.run.root, self.round, [module])[module]
@@ -62,7 +55,6 @@ class HFModules:
         self.path_modules = {path: ["model"]}
         self.nbytes = {"model": sum(f.stat().st_size for f in self.directory.glob("*.safetensors"))
                        or sum(f.stat().st_size for f in self.directory.glob("*.bin"))}
-        self.param_names = None  # the whole model is one module
 
     def load(self, module: str) -> dict[str, torch.Tensor]:
         from transformers import AutoModelForCausalLM
