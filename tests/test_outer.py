@@ -56,3 +56,23 @@ def test_state_round_trip():
     a.step("m", {"w": torch.ones(3)})
     b.step("m", {"w": torch.ones(3)})
     assert torch.equal(a.modules["m"]["w"], b.modules["m"]["w"])
+
+
+def test_module_norms_are_the_last_step_s_gradient_update_and_momentum_over_every_tensor():
+    mods = {"m": {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0])}, "n": {"c": torch.tensor([0.0])}}
+    opt = OuterOptimizer(mods, lr=0.5, momentum=0.9, nesterov=True)
+    assert opt.module_norms(["m", "n"]) == {}  # no step yet: nothing to report
+    g1 = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([12.0])}  # |g1| = 13
+    opt.step("m", {k: v.clone() for k, v in g1.items()})
+    first = opt.module_norms(["m", "n"])
+    assert list(first) == ["m"]
+    assert abs(first["m"]["outer_grad_norm"] - 13.0) < 1e-5
+    assert abs(first["m"]["update_norm"] - 0.5 * 1.9 * 13.0) < 1e-5  # lr · |g + 0.9 b|, b = g on the first step
+    assert abs(first["m"]["momentum_norm"] - 13.0) < 1e-5
+    # a streamed fragment steps tensor "b" alone: the module's norms keep "a"'s last step and take "b"'s new one
+    opt.step("m", {"b": torch.tensor([-1.0])})
+    buf_b = 0.9 * 12.0 - 1.0
+    second = opt.module_norms(["m"])["m"]
+    assert abs(second["outer_grad_norm"] - (25.0 + 1.0) ** 0.5) < 1e-5
+    assert abs(second["update_norm"] - 0.5 * (1.9 ** 2 * 25.0 + (-1.0 + 0.9 * buf_b) ** 2) ** 0.5) < 1e-5
+    assert abs(second["momentum_norm"] - (25.0 + buf_b ** 2) ** 0.5) < 1e-5

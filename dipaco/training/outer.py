@@ -76,16 +76,35 @@ class OuterOptimizer:
     def __init__(self, modules: dict[str, dict[str, torch.Tensor]], lr: float, momentum: float, nesterov: bool = True):
         self.modules, self.lr, self.momentum, self.nesterov = modules, lr, momentum, nesterov
         self.buffers: dict[str, dict[str, torch.Tensor]] = {}
+        # per module and tensor: the squared norms of the last outer gradient and update applied to it (a streamed
+        # fragment steps some tensors at a time, so a module's norms add up its tensors' latest steps)
+        self.last_squares: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @torch.no_grad()
     def step(self, module: str, grad: dict[str, torch.Tensor]) -> None:
         buffers = self.buffers.setdefault(module, {})
+        squares = self.last_squares.setdefault(module, {})
         for name, g in grad.items():  # a streamed fragment steps only some of the module's tensors
             if name not in buffers:
                 buffers[name] = torch.zeros_like(g)
             buf = buffers[name].mul_(self.momentum).add_(g)
             update = g + self.momentum * buf if self.nesterov else buf
             self.modules[module][name].sub_(update, alpha=self.lr)
+            squares[name] = (g.square().sum(), update.square().sum())  # read-only: the step's bits stay as they were
+
+    def module_norms(self, modules) -> dict[str, dict[str, float]]:
+        """For each of ``modules`` that has taken an outer step: the L2 norms of its last outer gradient (as applied,
+        after any rescaling), of its last update (lr times the Nesterov direction: how far the weights moved) and of
+        its momentum buffer, each over all of the module's tensors."""
+        out = {}
+        for m in modules:
+            if not self.last_squares.get(m):
+                continue
+            grad_sq, update_sq = (sum(float(sq[k]) for sq in self.last_squares[m].values()) for k in (0, 1))
+            momentum_sq = sum(float(b.square().sum()) for b in self.buffers[m].values())
+            out[m] = {"outer_grad_norm": grad_sq ** 0.5, "update_norm": self.lr * update_sq ** 0.5,
+                      "momentum_norm": momentum_sq ** 0.5}
+        return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{m}/{n}": t for m, bufs in self.buffers.items() for n, t in bufs.items()}
