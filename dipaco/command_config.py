@@ -6,10 +6,10 @@ and resolved by config.resolve; they live apart so that config.py stays the bott
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from dipaco.config import at_least, flag, positive
+from dipaco.config import LogConfig, at_least, flag, positive
 from dipaco.errors import DipacoError
 
 
@@ -55,6 +55,8 @@ class EvalCommandConfig:
     split: Literal["heldout", "val"] = flag("heldout")
     """Documents scored: 'heldout' (the held-out test documents) or 'val' (every path's validation documents;
     choose settings on these)."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """--log-to: the report's table and perplexities also go to each evaluated run's trackers."""
 
     def check(self, at: str) -> None:
         _mixture(at, self.mixture)
@@ -148,9 +150,14 @@ class ServeConfig:
     """Choices in flight at most; past it requests get 429 with Retry-After."""
     round: int | None = flag(None)
     """Checkpoint round to serve (default: the latest)."""
+    log_interval: float = 10.0
+    """Seconds between the throughput points that --log-to trackers get (also one at shutdown)."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """--log-to: serving throughput also goes to the served run's trackers."""
 
     def check(self, at: str) -> None:
         at_least(at + "port", self.port, 0)
+        positive(at + "log_interval", self.log_interval)
         at_least(at + "route_every", self.route_every, 0)
         positive(at + "max_batch", self.max_batch)
         positive(at + "max_queue", self.max_queue)

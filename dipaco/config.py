@@ -209,6 +209,29 @@ class EvalConfig:
         at_least(at + "context_tokens", self.context_tokens, 1)
 
 
+TRACKERS = ("tensorboard", "wandb")  # what log.to may name (dipaco.training.trackers writes them)
+
+
+@dataclass
+class LogConfig:
+    to: str = flag("", "--log-to", metavar="TRACKERS")
+    """Trackers that also get the figures: tensorboard, wandb or both, comma-separated. The run directory keeps their
+    files (RUN/tensorboard/; RUN/wandb/ with the W&B run id), so a resumed run continues the same tracker run; empty:
+    metrics.jsonl only."""
+    wandb_project: str = "dipaco"
+    """The W&B project of the run (WANDB_MODE=offline writes it under RUN/wandb/ without a network)."""
+
+    @property
+    def trackers(self) -> list[str]:
+        return [t.strip() for t in self.to.split(",") if t.strip()]
+
+    def check(self, at: str) -> None:
+        for name in self.trackers:
+            if name not in TRACKERS:
+                raise DipacoError(f"config: '{at}to' (--log-to) names {name!r}; choose among {', '.join(TRACKERS)}, "
+                                  f"comma-separated (e.g. --log-to tensorboard,wandb)")
+
+
 @dataclass
 class TrainConfig:
     preset: Preset = flag("tiny")
@@ -248,6 +271,7 @@ class TrainConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     @property
     def trainee_threads(self) -> int:

@@ -1,0 +1,62 @@
+"""Trackers (--log-to tensorboard,wandb): the round records as scalars, read back with TensorBoard's own reader and
+from W&B's offline run files; a resumed run continues the same tracker run with every round once."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+
+from dipaco.config import TrainConfig, resolve
+from dipaco.errors import DipacoError
+from dipaco.training.engine_steps import round_line
+from dipaco.training.tracker_backends import require
+from dipaco.training.trackers import NORMS, round_scalars
+
+PATHS = ["0-0", "0-1", "1-0", "1-1"]
+NORMED = {"L0.E0": {"outer_grad_norm": 2.0, "update_norm": 1.5, "momentum_norm": 3.0}}
+
+
+def test_a_sync_round_record_gives_every_path_s_loss_and_perplexity_and_every_module_s_norms():
+    record = round_line(3, [4.0, 5.0, 6.0, 7.0], {"0-0": 3.0, "1-1": 4.0}, seconds=2.0, tokens=1000, workers=2,
+                        bytes_sent=64, bytes_received=32, wait_s=0.25, module_norms=NORMED)
+    values = round_scalars(record, PATHS)
+    assert {values[f"train_loss/{p}"] for p in PATHS} == {4.0, 5.0, 6.0, 7.0} and values["train_loss/mean"] == 5.5
+    assert values["val_ppl/0-0"] == pytest.approx(math.exp(3.0)) and "val_ppl/0-1" not in values
+    assert {values[f"{n}/L0.E0"] for n in NORMS} == {2.0, 1.5, 3.0}
+    assert (values["speed/tokens_per_s"], values["comm/bytes_sent"], values["comm/wait_s"], values["workers/present"]) \
+        == (500.0, 64.0, 0.25, 2.0)
+    assert not any(k.startswith("phases/") for k in values)  # the Ray engine's alone
+
+
+def test_a_ray_round_record_counts_retried_dropped_and_replayed_phases_and_leaves_a_dropped_loss_out():
+    phases = [{"trainee": 0, "replayed": 2}, {"trainee": 1, "dropped": True}, {"trainee": 2, "replayed": 0},
+              {"trainee": 3}]
+    record = round_line(2, [4.0, None, 6.0, 8.0], {}, 1.0, 10, 3, 0, 0, engine="ray", dropped=[1], retried=[0, 3],
+                        phases=phases)
+    values = round_scalars(record, PATHS)
+    assert (values["phases/retried"], values["phases/dropped"], values["phases/replayed"]) == (2.0, 1.0, 1.0)
+    assert "train_loss/0-1" not in values and values["train_loss/1-1"] == 8.0  # never a zero for a missing loss
+    assert not any(k.startswith("val_ppl/") for k in values)  # validation off: nothing, not zeros
+
+
+def test_several_trainees_of_one_path_give_the_path_their_mean_loss():
+    record = round_line(1, [2.0, 4.0, None], {}, 1.0, 10, 1, 0, 0)
+    assert round_scalars(record, ["0", "0", "0"])["train_loss/0"] == 3.0
+
+
+def test_log_to_takes_any_subset_and_names_the_choices_when_wrong():
+    assert resolve(TrainConfig, flags={"log.to": "tensorboard,wandb"}).log.trackers == ["tensorboard", "wandb"]
+    assert resolve(TrainConfig, overrides=['log.to="wandb"']).log.trackers == ["wandb"]
+    assert resolve(TrainConfig).log.trackers == []
+    with pytest.raises(DipacoError, match=r"names 'tensorbord'; choose among tensorboard, wandb"):
+        resolve(TrainConfig, flags={"log.to": "tensorbord"})
+
+
+@pytest.mark.parametrize("name", ["tensorboard", "wandb"])
+def test_a_missing_tracker_package_is_one_line_naming_its_extra(monkeypatch, name):
+    monkeypatch.setitem(sys.modules, name, None)  # what import sees where the package is not installed
+    with pytest.raises(DipacoError) as err:
+        require(["tensorboard", "wandb"])
+    assert str(err.value) == f"--log-to {name} needs the {name} package: pip install -e '.[{name}]'"
