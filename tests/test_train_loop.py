@@ -56,7 +56,7 @@ def test_round_lines_add_up_to_the_run_s_bytes_when_a_reduction_ends_between_rou
     import time
 
     from dipaco.config import TrainConfig, resolve
-    from dipaco.training.train import RoundLog
+    from dipaco.training.train import RoundGather
 
     class World:  # one rank; its counters move when the test says a reduction ended
         rank, size = 0, 1
@@ -69,7 +69,7 @@ def test_round_lines_add_up_to_the_run_s_bytes_when_a_reduction_ends_between_rou
             return [obj]
 
     world = World()
-    log = RoundLog(tmp_path, resolve(TrainConfig), world, 1, 3, progress=False)
+    log = RoundGather(tmp_path, resolve(TrainConfig), world, 1, 3, progress=False)
     report = {"losses": {0: 1.0}, "inner": [], "compute_s": 0.0, "began": time.perf_counter()}
     for r, (during, between) in enumerate([(100, 0), (10, 7), (0, 0)], start=1):
         world.sent += during   # ends within round r

@@ -26,10 +26,9 @@ from contextlib import closing
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from dipaco.config import TrainConfig
-from dipaco.io import log, write_json
+from dipaco.io import write_json
 from dipaco.model.grid import Grid, format_grid
 from dipaco.model.path_model import PathModel, llama_config, new_model
 from dipaco.storage import checkpoint
@@ -37,8 +36,9 @@ from dipaco.storage.run import Plan, RunDirectory, build_grid, initial_modules
 from dipaco.storage.shards import ShardSet
 from dipaco.training.comm import World, make_world
 from dipaco.training.devices import deterministic, resolve_device
-from dipaco.training.engine_steps import inner_record, round_line
+from dipaco.training.engine_steps import inner_record
 from dipaco.training.outer import OuterOptimizer
+from dipaco.training.round_log import RoundLog, phase_tokens
 from dipaco.training.sync import ModuleSync
 from dipaco.training.trainee import Trainee, fixed_windows, inner_step, make_trainee, round_losses, validate
 
@@ -58,20 +58,20 @@ def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume:
         validator = Validator(cfg, shards, grid, plan, world.rank, device)
         checkpointer = checkpoint.Checkpointer(run_dir, world, list(plan.weights), plan.paths)
         start, schedule = RunDirectory(run_dir, cfg, shards).begin(resume, world, grid, plan, worker, checkpointer)
-        log = RoundLog(run_dir, cfg, world, len(plan.trainees), max(0, cfg.rounds - start) * len(worker.trainees), progress)
+        gather = RoundGather(run_dir, cfg, world, len(plan.trainees), max(0, cfg.rounds - start) * len(worker.trainees), progress)
         H, sync = cfg.inner_steps, worker.sync
         for r in range(start, cfg.rounds):
             worker.begin_round()                              # this round's losses and clock
             for t in range(r * H + 1, (r + 1) * H + 1):
                 worker.step(t, schedule)                      # one AdamW step of every trainee
                 sync.after_step(t)                            # start the module averages due after t, apply those due at t
-                log.bar.update(len(worker.trainees))
+                gather.log.advance(len(worker.trainees))
             if r + 1 == cfg.rounds:
                 sync.flush()                                  # the run's last round applies what is still in flight
-            log.round(r + 1, worker.round_report(), validator(worker.modules))
+            gather.round(r + 1, worker.round_report(), validator(worker.modules))
             if (r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds:
                 checkpointer.save(r + 1, worker.part())
-        log.close()
+        gather.close()
         write_worker_report(run_dir, worker, world)
     return {"run": str(run_dir), "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(plan.trainees),
             "workers": world.size}
@@ -132,7 +132,7 @@ class Worker:
         self.compute += time.perf_counter() - tic
 
     def round_report(self) -> dict:
-        """This worker's report of the round so far (``RoundLog.round`` adds the time and bytes when it gathers)."""
+        """This worker's report of the round so far (``RoundGather.round`` adds the time and bytes when it gathers)."""
         losses = round_losses(self.step_losses, self.inner_logs, self.cfg.inner_steps)
         return {"losses": losses, "inner": self.inner_logs, "compute_s": self.compute, "began": self.began}
 
@@ -161,8 +161,9 @@ class Validator:
         return validate(modules, self.models, self.windows, self.batch_size) if self.enabled else {}
 
 
-class RoundLog:
-    """Every worker's round report, gathered to rank 0, which writes metrics.jsonl and the progress bar."""
+class RoundGather:
+    """Every worker's round report, gathered to rank 0, which writes it to the run's round log
+    (``dipaco.training.round_log``)."""
 
     def __init__(self, run_dir: Path, cfg: TrainConfig, world: World, num_trainees: int, rounds: int, progress: bool):
         """``rounds``: the progress bar's length in rounds of this worker's trainees."""
@@ -171,9 +172,7 @@ class RoundLog:
         # it ends in, also when it ends between two rounds (while validating or checkpointing); counting from each
         # round's start lost those, so a run's total depended on timing
         self.counted = world.stats()
-        self.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if world.rank == 0 else None
-        self.bar = tqdm(total=rounds * cfg.inner_steps, desc=f"train {run_dir.name}", unit="step",
-                        disable=not progress or world.rank != 0, dynamic_ncols=True, mininterval=1.0)
+        self.log = RoundLog(run_dir, rounds * cfg.inner_steps, f"train {run_dir.name}", progress, writes=world.rank == 0)
 
     def round(self, r: int, report: dict, val: dict[str, float]) -> None:
         stats = self.world.stats()
@@ -181,14 +180,19 @@ class RoundLog:
                                      "compute_s": report["compute_s"], "seconds": time.perf_counter() - report["began"],
                                      **{k: v - self.counted[k] for k, v in stats.items()}})
         self.counted = stats
-        if self.metrics is not None:
-            log_round(self.metrics, r, reports, self.cfg, self.num_trainees)
-            self.bar.set_postfix(round=r, loss=f"{sum(sum(p['losses'].values()) for p in reports) / self.num_trainees:.3f}")
+        if self.world.rank != 0:
+            return
+        losses = {i: l for p in reports for i, l in p["losses"].items()}
+        by_rank = {k: [p[k] for p in reports] for k in ("bytes_sent", "bytes_received", "compute_s", "comm_s", "wait_s")}
+        mean = {k: sum(by_rank[k]) / len(reports) for k in ("compute_s", "comm_s", "wait_s")}
+        self.log.round(r, [losses[i] for i in range(self.num_trainees)], {k: v for p in reports for k, v in p["val"].items()},
+                       seconds=max(p["seconds"] for p in reports), tokens=phase_tokens(self.cfg) * self.num_trainees,
+                       workers=len(reports), bytes_sent=sum(by_rank["bytes_sent"]),
+                       bytes_received=sum(by_rank["bytes_received"]), inner=[x for p in reports for x in p["inner"]],
+                       **mean, by_worker=by_rank)
 
     def close(self) -> None:
-        self.bar.close()
-        if self.metrics is not None:
-            self.metrics.close()
+        self.log.close()
 
 
 def write_worker_report(run_dir: Path, worker: Worker, world: World) -> None:
@@ -200,19 +204,3 @@ def write_worker_report(run_dir: Path, worker: Worker, world: World) -> None:
     write_json(run_dir / "workers" / f"rank_{world.rank}.json", {
         "rank": world.rank, "workers": world.size, "trainees": [tr.index for tr in worker.trainees],
         "modules": digests, "module_bytes": world.module_bytes})
-
-
-def log_round(metrics, r: int, report: list[dict], cfg: TrainConfig, num_trainees: int) -> None:
-    """One 'round' line (plus the buffered 'inner' lines) from every worker's report."""
-    for rec in sorted((x for p in report for x in p["inner"]), key=lambda x: (x["step"], x["trainee"])):
-        log(metrics, **rec)
-    losses = {i: l for p in report for i, l in p["losses"].items()}
-    losses = [losses[i] for i in range(num_trainees)]
-    val = {k: v for p in report for k, v in p["val"].items()}
-    seconds = max(p["seconds"] for p in report)
-    tokens = cfg.inner_steps * num_trainees * cfg.inner.batch_size * cfg.model.max_seq_len
-    by_rank = {k: [p[k] for p in report] for k in ("bytes_sent", "bytes_received", "compute_s", "comm_s", "wait_s")}
-    log(metrics, **round_line(r, losses, val, seconds, tokens, len(report), sum(by_rank["bytes_sent"]),
-                              sum(by_rank["bytes_received"]), compute_s=sum(by_rank["compute_s"]) / len(report),
-                              comm_s=sum(by_rank["comm_s"]) / len(report), wait_s=sum(by_rank["wait_s"]) / len(report),
-                              by_worker=by_rank))
