@@ -1,6 +1,7 @@
-"""The Ray driver's decisions without Ray (``dipaco.taskqueue.schedule``): what it launches, and what it says when a
-round lacks something no task will give it. A queue's view is the real ``Ledger`` and ``ModuleGroups`` over a fake
-store; the driver's loop on a real local Ray is in tests/test_ray_keep_going.py.
+"""The Ray driver's scheduler without Ray (``dipaco.taskqueue.schedule``): what it launches, what a quorum drops,
+and what it says when a round lacks something no task will give it. Its view of storage is a real ``StateResolver``
+(with the real ``Ledger`` and ``ModuleGroups``) over a fake store; the driver's loop on a real local Ray is in
+tests/test_ray_keep_going.py.
 
 The stuck state is the one a SIGKILLed driver's successor met on a bucket run: every phase and outer step of the round
 committed, the validator phase of a path committed, and that path's validation missing from storage. The loop then
@@ -17,124 +18,159 @@ from types import SimpleNamespace
 import pytest
 
 from dipaco.errors import DipacoError
-from dipaco.taskqueue.schedule import missing, phase_validates, ready, val_losses
-from dipaco.taskqueue.taskstore import Damaged, Ledger, ModuleGroups
+from dipaco.taskqueue.resolver import StateResolver
+from dipaco.taskqueue.schedule import Scheduler, describe
+from dipaco.taskqueue.taskstore import Ledger, ModuleGroups
 
 PATHS = ["0-0", "0-1", "1-0", "1-1"]
+GROUPS = {"embed+head": [0, 1, 2, 3], "L0.E0": [0, 1], "L0.E1": [2, 3], "L1.E0": [0, 2], "L1.E1": [1, 3]}
 
 
 class FakeStore:
-    """Validation losses by (version, path); what a real TaskStore reads from RUN/queue/<lineage>/val."""
+    """Validation losses by (version, path), and the drops a quorum writes; what a real TaskStore reads from and
+    writes to RUN/queue/<lineage>."""
 
     def __init__(self, vals: dict):
-        self.vals = vals
+        self.vals, self.drops = vals, {}
         self.root = "queue/abc"
         self.storage = SimpleNamespace(where=lambda key: f"s3://b/run/{key}")
 
     def val_loss(self, v, path):
         return self.vals.get((v, path))
 
-
-class Queue:
-    """The attributes of TaskQueue that the schedule reads, for a 2x2 grid with one trainee per path."""
-
-    def __init__(self, start=1, rounds=3, next_round=2, done=(), versions=(), vals=None, validated=(),
-                 records=None, inflight=None):
-        self.start, self.rounds, self.next_round, self.num_trainees = start, rounds, next_round, 4
-        groups = {"embed+head": [0, 1, 2, 3], "L0.E0": [0, 1], "L0.E1": [2, 3], "L1.E0": [0, 2], "L1.E1": [1, 3]}
-        self.groups = ModuleGroups({g: [g] for g in groups}, {g: g for g in groups}, groups,
-                                   [sorted(g for g, ts in groups.items() if i in ts) for i in range(4)])
-        records = records or {}
-        phases = {(i, v): {"record": records.get((i, v), {"val_loss": 4.0, "validated": True})} for i, v in done}
-        self.ledger = Ledger(phases, {}, set(), set(validated), set(done), set(versions), set(), {})
-        self.validator = {p: i for i, p in enumerate(PATHS)}
-        self.plan = SimpleNamespace(trainees=[(p, [p]) for p in PATHS])
-        self.store, self.damaged, self.awaiting = FakeStore(vals or {}), Damaged, set()
-        self.inflight = inflight or {}
-        self.checkpoints = {0, start}
-
-    def settled(self, i, v):
-        return (i, v) in self.ledger.done or (i, v) in self.ledger.dropped
-
-    def has_version(self, g, v):
-        return v == self.start or (g, v) in self.ledger.versions
+    def drop(self, v, i, why):
+        self.drops[(i, v)] = why
 
 
-def stuck(**kw) -> Queue:
+def resolver(start=1, rounds=3, done=(), versions=(), vals=None, validated=(), records=None) -> StateResolver:
+    """The state of a 2x2 grid with one trainee per path, resumed from checkpoint ``start``."""
+    groups = ModuleGroups({g: [g] for g in GROUPS}, {g: g for g in GROUPS}, GROUPS,
+                          [sorted(g for g, ts in GROUPS.items() if i in ts) for i in range(4)])
+    records = records or {}
+    phases = {(i, v): {"record": records.get((i, v), {"val_loss": 4.0, "validated": True})} for i, v in done}
+    ledger = Ledger(phases, {}, set(), set(validated), set(done), set(versions), set(), {})
+    plan = SimpleNamespace(trainees=[(p, [p]) for p in PATHS], paths=PATHS)
+    return StateResolver(FakeStore(vals or {}), plan, None, groups, start, rounds, {0, start}, ledger, validating=True)
+
+
+def stuck(next_round=2, inflight=None, **kw) -> tuple[Scheduler, int]:
     """Resumed from round 1: every phase of rounds 2 and 3 and every outer step to versions 2 and 3 committed; round
     2's validations of paths 0-0 and 0-1 in storage, those of 1-0 and 1-1 not, though their phases validated."""
-    everything = {g: 0 for g in ("embed+head", "L0.E0", "L0.E1", "L1.E0", "L1.E1")}
-    return Queue(done=[(i, v) for i in range(4) for v in (1, 2)], versions=[(g, v) for g in everything for v in (2, 3)],
-                 vals={(2, "0-0"): 3.0, (2, "0-1"): 3.1}, validated=[("0-0", 2), ("0-1", 2)], **kw)
+    state = resolver(done=[(i, v) for i in range(4) for v in (1, 2)], versions=[(g, v) for g in GROUPS for v in (2, 3)],
+                     vals={(2, "0-0"): 3.0, (2, "0-1"): 3.1}, validated=[("0-0", 2), ("0-1", 2)], **kw)
+    schedule = Scheduler(state)
+    for handle, task in (inflight or {}).items():
+        schedule.launched(handle, task)
+    return schedule, next_round
 
 
 def test_a_round_whose_committed_phase_left_no_validation_launches_it():
-    q = stuck()
-    assert ready(q) == []  # before the round is looked at, nothing is due: the state the old loop spun in
-    assert val_losses(q, 2) is None
-    assert q.awaiting == {("1-0", 2)}  # the first missing one stops the look; the next look finds the next
-    assert ready(q) == [("val", "1-0", 2)]
-    q.ledger.val_loss[("1-0", 2)] = 2.5  # it came back
-    assert val_losses(q, 2) is None and ready(q) == [("val", "1-1", 2)]
-    q.ledger.val_loss[("1-1", 2)] = 2.6
-    assert val_losses(q, 2) == {"0-0": 3.0, "0-1": 3.1, "1-0": 2.5, "1-1": 2.6}
+    schedule, r = stuck()
+    state = schedule.state
+    assert schedule.ready(r) == []  # before the round is looked at, nothing is due: the state the old loop spun in
+    assert state.val_losses(2) is None
+    assert state.awaiting == {("1-0", 2)}  # the first missing one stops the look; the next look finds the next
+    assert schedule.ready(r) == [("val", "1-0", 2)]
+    state.ledger.val_loss[("1-0", 2)] = 2.5  # it came back
+    assert state.val_losses(2) is None and schedule.ready(r) == [("val", "1-1", 2)]
+    state.ledger.val_loss[("1-1", 2)] = 2.6
+    assert state.val_losses(2) == {"0-0": 3.0, "0-1": 3.1, "1-0": 2.5, "1-1": 2.6}
 
 
 def test_a_phase_that_did_not_validate_is_not_read_as_a_path_too_short_to_validate():
-    q = stuck(records={(2, 2): {"val_loss": None, "validated": False}, (3, 2): {"val_loss": None, "validated": True}})
-    q.store.vals[(2, "1-0")] = None
-    assert val_losses(q, 2) is None and ("1-0", 2) in q.awaiting
-    q.ledger.val_loss[("1-0", 2)] = 2.5
-    assert val_losses(q, 2) == {"0-0": 3.0, "0-1": 3.1, "1-0": 2.5}  # 1-1 validated: too short for a window
+    schedule, _ = stuck(records={(2, 2): {"val_loss": None, "validated": False}, (3, 2): {"val_loss": None, "validated": True}})
+    state = schedule.state
+    state.store.vals[(2, "1-0")] = None
+    assert state.val_losses(2) is None and ("1-0", 2) in state.awaiting
+    state.ledger.val_loss[("1-0", 2)] = 2.5
+    assert state.val_losses(2) == {"0-0": 3.0, "0-1": 3.1, "1-0": 2.5}  # 1-1 validated: too short for a window
 
 
 def test_a_validation_in_flight_or_in_storage_is_not_launched_twice():
-    q = stuck(inflight={"ref": ("val", "1-0", 2)})
-    val_losses(q, 2)
-    assert ready(q) == []
-    assert phase_validates(q, 2, 2) and not phase_validates(q, 0, 2)  # 0-0's is in storage
-    assert not phase_validates(Queue(start=2, next_round=3), 2, 2)  # the start version is a checkpoint's
+    schedule, r = stuck(inflight={"ref": ("val", "1-0", 2)})
+    schedule.state.val_losses(2)
+    assert schedule.ready(r) == []
+    assert schedule.state.validates(2, 2) and not schedule.state.validates(0, 2)  # 0-0's is in storage
+    assert not resolver(start=2).validates(2, 2)  # the start version is a checkpoint's
 
 
 def test_the_last_round_and_a_dropped_validator_are_validated_by_tasks():
-    q = stuck(next_round=3)
-    assert sorted(ready(q)) == [("val", p, 3) for p in PATHS]
-    q = stuck()
-    q.ledger.done.discard((3, 2))
-    q.ledger.dropped.add((3, 2))
-    assert ("val", "1-1", 2) in ready(q)
+    schedule, r = stuck(next_round=3)
+    assert sorted(schedule.ready(r)) == [("val", p, 3) for p in PATHS]
+    schedule, r = stuck()
+    schedule.state.ledger.done.discard((3, 2))
+    schedule.state.ledger.dropped.add((3, 2))
+    assert ("val", "1-1", 2) in schedule.ready(r)
+
+
+def test_phases_wait_for_their_modules_and_steps_for_their_phases():
+    state = resolver(done=[(0, 1), (1, 1)])
+    schedule = Scheduler(state)
+    assert sorted(schedule.ready(2)) == [("phase", 2, 1), ("phase", 3, 1), ("step", "L0.E0", 1)]
+    schedule.launched("p2", ("phase", 2, 1))
+    assert ("phase", 2, 1) not in schedule.ready(2)  # in flight: not launched twice
+    assert schedule.returned("p2") == ("phase", 2, 1) and not schedule.inflight
+    state.ledger.versions.add(("L0.E0", 2))  # trainees 0 and 1 read L0.E0, but also groups still at version 1
+    assert ("phase", 0, 2) not in schedule.ready(2)
+    for g in ("embed+head", "L1.E0", "L1.E1"):
+        state.ledger.versions.add((g, 2))
+    assert ("phase", 0, 2) in schedule.ready(2) and ("phase", 1, 2) in schedule.ready(2)
+
+
+def test_a_quorum_drops_late_phases_only_after_its_grace():
+    state = resolver(done=[(0, 1), (1, 1), (2, 1)])  # trainee 3 is late in round 2
+    schedule = Scheduler(state, quorum=1, grace=10.0)
+    schedule.launched("late", ("phase", 3, 1))
+    assert schedule.drop_late(now=100.0) == [] and schedule.wait_s(now=104.0) == pytest.approx(6.0)
+    assert schedule.drop_late(now=109.0) == []
+    dropped = schedule.drop_late(now=111.0)
+    assert dropped == [("phase", 3, 1)] and schedule.handles(dropped) == ["late"]
+    assert (3, 1) in state.ledger.dropped and state.settled(3, 1)
+    why = state.store.drops[(3, 1)]
+    assert "late for the outer step of" in why and "in round 2 (quorum 1, grace 10.0 s)" in why
+    assert Scheduler(state).drop_late(now=1e9) == [] and Scheduler(state).wait_s(now=0) == 1.0  # no quorum: never
+
+
+def test_every_message_numbers_rounds_as_metrics_jsonl_does():
+    """Round r is the r-th outer step: the phase from version v trains round v + 1, the validation at version v
+    is of the weights after round v (round v's line)."""
+    assert describe("phase", 3, 1) == "phase (trainee 3, round 2)"
+    assert describe("step", "L0.E0", 1) == "the outer step of L0.E0 in round 2"
+    assert describe("val", "0-1", 2) == "the validation of path 0-1 after round 2"
 
 
 def test_what_nothing_will_give_is_named_in_one_line():
-    q = Queue(done=[(0, 1), (1, 1)], versions=[])  # trainees 2 and 3 never ran, and nothing says why
-    q.has_version = lambda g, v: v == 0  # as if version 1 were not there (a damaged checkpoint, say)
-    line = missing(q)
+    state = resolver(done=[(0, 1), (1, 1)], versions=[])  # trainees 2 and 3 never ran, and nothing says why
+    state.has_version = lambda g, v: v == 0  # as if version 1 were not there (a damaged checkpoint, say)
+    line = Scheduler(state).missing(2)
     assert "\n" not in line and line.startswith("round 2 cannot finish: ")
-    assert "phase (trainee 2, round 2), whose modules L0.E1, L1.E0, embed+head lack version 1;" in line
-    assert "the outer step of embed+head to round 2" in line and line.count(";") == 4  # four named, then "and 7 more"
+    assert "phase (trainee 2, round 2), whose modules L0.E1, L1.E0, embed+head lack round 1's outer step;" in line
+    assert "the outer step of embed+head in round 2" in line and line.count(";") == 4  # four named, then "and 7 more"
     assert "remove s3://b/run/queue and resume (--resume)" in line and "round 1's checkpoint" in line
 
 
-def test_the_driver_ends_instead_of_spinning_when_nothing_can_finish_a_round(monkeypatch):
-    """The loop itself (``TaskQueue.run``), its launcher replaced by one that launches nothing, over a ledger that
-    lacks an outer step: with nothing in flight it looks once more after finishing what storage holds, then ends in
-    one line (the loop it replaces called ``ray.wait`` only with something in flight, and looped without sleeping)."""
+def test_the_driver_ends_instead_of_spinning_when_nothing_can_finish_a_round(monkeypatch, tmp_path):
+    """The loop itself (``TaskQueue.run``) with its real scheduler, state and round assembler, its launcher replaced by
+    one that launches nothing, over a ledger that lacks an outer step: with nothing in flight it looks once more after
+    finishing what storage holds, then ends in one line (the loop it replaces called ``ray.wait`` only with something
+    in flight, and looped without sleeping)."""
     ray_engine = pytest.importorskip("dipaco.taskqueue.ray_engine")
-    q = stuck()
-    for p in PATHS:
-        q.validator[p] = PATHS.index(p)
-    q.has_version = lambda g, v: v != 2 or g != "L1.E1"  # version 2 of L1.E1 lost: paths 0-1 and 1-1 cannot validate
-    q.ledger.versions.discard(("L1.E1", 2))
+    from dipaco.taskqueue.rounds import RoundAssembler
+
+    schedule, _ = stuck()
+    state = schedule.state
+    state.has_version = lambda g, v: v != 2 or g != "L1.E1"  # version 2 of L1.E1 lost: paths 0-1 and 1-1 cannot validate
+    state.ledger.versions.discard(("L1.E1", 2))
+    cfg = SimpleNamespace(rounds=3, inner_steps=2, checkpoint_every=1)
     queue = ray_engine.TaskQueue.__new__(ray_engine.TaskQueue)
-    queue.__dict__.update(q.__dict__)
-    queue.settled, queue.has_version = q.settled, q.has_version
-    queue.bar, queue.metrics = SimpleNamespace(close=lambda: None), SimpleNamespace(close=lambda: None)
+    queue.state, queue.schedule = state, schedule
+    queue.rounds = RoundAssembler(state, cfg, tmp_path, workers=lambda: 1, progress=False)
     calls = []
-    monkeypatch.setattr(ray_engine.TaskQueue, "launch_ready", lambda self: calls.append(ready(self)))
-    monkeypatch.setattr(ray_engine.TaskQueue, "complete_rounds", lambda self: val_losses(self, self.next_round))
-    with pytest.raises(DipacoError, match=r"^round 2 cannot finish: .*the outer step of L1.E1 to round 2"):
+    monkeypatch.setattr(ray_engine.TaskQueue, "launch_ready", lambda self: calls.append(schedule.ready(2)))
+    with pytest.raises(DipacoError, match=r"^round 2 cannot finish: .*the outer step of L1.E1 in round 2"):
         queue.run()
     assert len(calls) == 2  # looked, finished what storage holds, looked again: then one line, no third look
+    assert queue.rounds.next_round == 2 and queue.rounds.metrics.closed
 
 
 # ------------------------------------------------------------------------------------------------ the lease
@@ -248,7 +284,9 @@ def test_a_driver_waiting_on_machines_says_so_once_a_minute(monkeypatch, capsys)
     ray_engine = pytest.importorskip("dipaco.taskqueue.ray_engine")
     q = ray_engine.TaskQueue.__new__(ray_engine.TaskQueue)
     now = time.time()
-    q.task_options, q.inflight = {"num_cpus": 1}, {"a": ("phase", 2, 1), "b": ("step", "L0.E1", 1)}
+    q.task_options, q.schedule = {"num_cpus": 1}, Scheduler(resolver())
+    q.schedule.launched("a", ("phase", 2, 1))
+    q.schedule.launched("b", ("step", "L0.E1", 1))
     cluster = {"CPU": 0.0}
     monkeypatch.setattr(ray_engine.ray, "cluster_resources", lambda: cluster)
     clock = [now + 30]

@@ -3,9 +3,6 @@ apart from ``dipaco.taskqueue.runstore``, which the phases import: building a mo
 
 from __future__ import annotations
 
-import torch
-
-from dipaco.model.path_model import PathModel, llama_config
 from dipaco.storage import checkpoint
 from dipaco.storage.objects import Storage
 from dipaco.storage.run import RunDirectory, initial_modules
@@ -13,13 +10,11 @@ from dipaco.taskqueue.runstore import push
 from dipaco.training.trainee import make_trainee
 
 
-def begin_run(cfg, shards, grid, plan, directory: RunDirectory, storage: Storage, cpus: int) -> None:
+def begin_run(cfg, shards, grid, plan, directory: RunDirectory, storage: Storage, cpus: int, skeleton) -> None:
     """A new run: config.toml, run.json and round 0 (the initial modules and fresh trainee states), as the sync
-    engine writes them (then uploaded, for a run in a bucket); the trainees are built on the meta device (no weights:
-    only their optimizer and data state)."""
+    engine writes them (then uploaded, for a run in a bucket); the trainees are built on ``skeleton``, the model on
+    the meta device (no weights: only their optimizer and data state)."""
     modules, parameters = initial_modules(cfg, grid, shards, plan.paths[0])
-    with torch.device("meta"):
-        skeleton = PathModel(grid, plan.paths[0], llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)).model
     states = [make_trainee(i, p, s, grid, shards, cfg, model=skeleton).state() for i, (p, s) in enumerate(plan.trainees)]
     directory.create(grid, plan, cpus, parameters)
     checkpoint.save_round(directory.root, 0, modules, {}, states, {"trainee_paths": plan.paths, "engine": "ray"})
