@@ -1,6 +1,8 @@
 """The Ray engine (``--engine ray``): DiPaCo's task queue of phases on shared storage.
 
-  ``ray_engine.py``   the driver (``TaskQueue``): launch what is ready, finish what returns, assemble rounds
+  ``ray_engine.py``   the driver (``TaskQueue``): its main loop launches what is ready, finishes what returns;
+  ``schedule.py``, ``resolver.py``, ``rounds.py``, ``specs.py``: its parts without Ray (what to launch when, what
+                      storage holds, finished rounds -> metrics and checkpoints, the tasks' specs)
   ``phases.py``       the task bodies, without Ray: a phase, an outer step, a validation
   ``taskstore.py``    where the queue lives in storage (phase outputs, module versions, commit records)
   ``runstore.py``     a run in a bucket: lineage, assembled checkpoints, local copies
