@@ -11,6 +11,7 @@ Unknown keys and wrong types are errors. The resolved config is written next to 
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -230,6 +231,15 @@ class LogConfig:
             if name not in TRACKERS:
                 raise DipacoError(f"config: '{at}to' (--log-to) names {name!r}; choose among {', '.join(TRACKERS)}, "
                                   f"comma-separated (e.g. --log-to tensorboard,wandb)")
+            if not _installed(name):  # here, so that a missing package costs one line before any work starts
+                raise DipacoError(f"--log-to {name} needs the {name} package: pip install -e '.[{name}]'")
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ValueError:  # a package set aside in sys.modules (as if not installed)
+        return False
 
 
 @dataclass

@@ -18,6 +18,7 @@ from dipaco.storage.outputs import check_out_dir, check_out_file, check_writable
 from dipaco.taskqueue.ray_cluster import ClusterUnreachable
 from dipaco.taskqueue.runstore import local_shards, pull_run
 from dipaco.taskqueue.supervise import LOST
+from dipaco.training.trackers import log_eval_report
 
 
 def _resolve(args, cls):
@@ -205,6 +206,7 @@ def cmd_eval(args) -> None:
         if notice := once_notice(row["run"], row.get("once_policy", {})):
             print(f"dipaco eval: note: {notice}", file=sys.stderr)
     files = write_report(report, args.out)
+    log_eval_report(report, cfg.log)  # --log-to: the table also goes to the tracker run of every run it scored
     print(markdown_table(report))
     print("\nwrote " + ", ".join(files.values()))
 

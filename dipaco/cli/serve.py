@@ -62,6 +62,8 @@ def cmd_serve(args) -> None:
         raise DipacoError("serve one thing: --run RUN (a dipaco run, routed) or --model DIR (a Hugging Face directory)")
     if args.upstream and not args.run:
         raise DipacoError("--upstream needs --run: the front router routes with the run's router and tokenizer")
+    if cfg.log.trackers and not args.run:
+        raise DipacoError("--log-to needs --run: the tracker run that gets the throughput lives in the run directory")
     api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     if not _loopback(cfg.host) and not api_key:
         raise DipacoError(f"--host {cfg.host} listens beyond this machine: set an API key with --api-key KEY or "
@@ -76,7 +78,9 @@ def cmd_serve(args) -> None:
     from dipaco.eval.serve.metrics import Metrics
     from dipaco.eval.serve.upstream import Upstreams, parse_upstreams
 
-    sock, metrics, engine = _listen(cfg.host, cfg.port), Metrics(), None
+    from dipaco.eval.serve.throughput_log import ThroughputLog
+
+    sock, metrics, engine, throughput = _listen(cfg.host, cfg.port), Metrics(), None, None
     try:
         run = str(pull_run(args.run)) if args.run else None
         engine = Engine(run=run, shards=local_shards(args.shards), model_dir=args.model,
@@ -84,6 +88,7 @@ def cmd_serve(args) -> None:
                         max_batch=cfg.max_batch, round=cfg.round, metrics=metrics, name=args.name)
         upstreams = Upstreams(parse_upstreams(args.upstream, engine.paths)) if args.upstream else None
         engine.remote = upstreams
+        throughput = ThroughputLog.open(run, cfg.log, metrics, cfg.log_interval) if run else None
         server = Server(engine, metrics, api_key, cfg.max_queue, upstreams)
         logging.basicConfig(level=logging.INFO, format="dipaco serve: %(message)s", stream=sys.stderr)
         host, port = sock.getsockname()[:2]
@@ -99,6 +104,8 @@ def cmd_serve(args) -> None:
 
         Graceful(config).run(sockets=[sock])
     finally:
+        if throughput is not None:
+            throughput.close()
         if engine is not None:
             engine.close()
         sock.close()

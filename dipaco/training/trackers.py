@@ -106,7 +106,7 @@ class Trackers:
                 w.close()
             raise
         trackers = cls(run_dir, writers, state, [t["path"] for t in info["trainees"]])
-        trackers.save_state()  # the W&B id is kept before anything is logged under it
+        trackers.keep({name: dict(state[name]) for name in names})  # the W&B id is kept before anything is logged under it
         if catch_up:
             for record in round_records(run_dir):
                 trackers.round(record)
@@ -127,8 +127,7 @@ class Trackers:
         values = round_scalars(record, self.trainee_paths)
         for name in behind:
             self.writers[name].scalars(values, r)
-            self.state[name]["round"] = r
-        self.save_state()
+        self.keep({name: {"round": r} for name in behind})
 
     def table(self, tag: str, columns: list[str], rows: list[list], scalars: dict[str, float], step: int) -> None:
         """A table and its scalars at ``step`` (``dipaco eval``: the evaluated round)."""
@@ -141,8 +140,19 @@ class Trackers:
         for w in self.writers.values():
             w.series(values, axis)
 
-    def save_state(self) -> None:
-        write_json(self.run_dir / STATE_FILE, self.state)
+    def note(self, key: str, value) -> None:
+        """Keep ``key`` in the entry of every tracker this process writes to (``dipaco serve``: its seconds)."""
+        self.keep({name: {key: value} for name in self.writers})
+
+    def keep(self, updates: dict[str, dict]) -> None:
+        """RUN/trackers.json as it is on disk now with ``updates`` ({tracker: {key: value}}) applied: a server
+        notes its seconds while a training may be writing its rounds, and neither undoes the other's."""
+        path = self.run_dir / STATE_FILE
+        state = read_json(path, "tracker state") if path.is_file() else {}
+        for name, values in updates.items():
+            state.setdefault(name, {"round": 0}).update(values)
+            self.state.setdefault(name, {"round": 0}).update(values)
+        write_json(path, state)
 
     def close(self) -> None:
         for w in self.writers.values():
@@ -162,3 +172,33 @@ def _toml(path: Path) -> dict:
     import tomllib
 
     return tomllib.loads(path.read_text(encoding="utf-8"))
+
+
+# ------------------------------------------------------------------------------------------------ dipaco eval
+EVAL_COLUMNS = ["method", "perplexity", "scored tokens", "documents", "round", "routing"]
+
+
+def log_eval_report(report: dict, log) -> list[str]:
+    """``dipaco eval``'s report to the trackers of every run it scored (a baseline's too): each run gets the table of
+    its own rows and their perplexities (overall and per label) at the round they scored (none: nothing). Returns the
+    runs logged to."""
+    if not log.trackers:
+        return []
+    by_run: dict[str, list[tuple[str, dict]]] = {}
+    for name, row in report["methods"].items():
+        by_run.setdefault(row["run"], []).append((name, row))
+    for run_dir, rows in by_run.items():
+        trackers = Trackers.open(run_dir, log, catch_up=False)
+        step = max((row.get("round") or 0 for _, row in rows), default=0) or max(s["round"] for s in trackers.state.values())
+        table = [[name, row["perplexity"], row["tokens"], row["documents"], str(row.get("round") or "per path"),
+                  row.get("routing", "")] for name, row in rows]
+        scalars = {}
+        for name, row in rows:
+            tag = "eval_ppl/" + name.replace(" ", "_")
+            scalars[tag] = float(row["perplexity"])
+            for label, cell in sorted(row.get("per_label", {}).items()):
+                if cell.get("perplexity") is not None:
+                    scalars[f"{tag}/{label}"] = float(cell["perplexity"])
+        trackers.table("eval/report", EVAL_COLUMNS, table, scalars, step)
+        trackers.close()
+    return list(by_run)
