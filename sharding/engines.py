@@ -26,14 +26,13 @@ from dipaco.taskqueue.children import die_with_parent
 
 # what every worker runs with: one tokenizer thread and one BLAS/torch thread (a worker is one core)
 WORKER_ENV = {"RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-PASSED_ENV = ("DIPACO_SHARD_TEST_DELAY",)  # the fault tests' hook reaches the workers
 # pass 2's modules (scikit-learn, scipy, faiss: seconds to import) load in the background of a worker's first
 # task, while it scans and the driver fits, instead of delaying its first pass-2 block
 PRELOAD = ("dipaco.sharding.parts",)
 
 
 def worker_env() -> dict[str, str]:
-    return {**WORKER_ENV, **{k: os.environ[k] for k in PASSED_ENV if k in os.environ}}
+    return dict(WORKER_ENV)
 
 
 def _init_worker(env: dict[str, str], parent: int) -> None:

@@ -10,8 +10,6 @@ concatenated), so the shard directory is the one a single process reading the co
 from __future__ import annotations
 
 import json
-import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +26,6 @@ from dipaco.sharding.sources import DocumentFilter
 from dipaco.sharding.threads import decision_threads
 from dipaco.sharding.tokenizer import encode, load_backend_tokenizer
 from dipaco.storage.shards import ShardWriter
-
-TEST_DELAY = "DIPACO_SHARD_TEST_DELAY"  # "<block index>:<seconds>": the first attempt of that block sleeps mid-block
 
 
 @dataclass
@@ -55,21 +51,6 @@ def _load(fits: Fits):
             router = Router.load(Path(fits.root) / "router")
         _loaded[fits.root] = (tok, router, getattr(router.features, "kind", "") in ("lm", "encoder"))
     return _loaded[fits.root]
-
-
-def _test_delay(block: Block, work: Path) -> None:
-    """The fault tests' hook: the first attempt of a chosen block records its pid and sleeps in its middle."""
-    spec = os.environ.get(TEST_DELAY, "")
-    if not spec or int(spec.split(":")[0]) != block.index:
-        return
-    marker = work / f"test-delay-{block.name}.pid"
-    try:
-        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return  # a retry
-    os.write(fd, str(os.getpid()).encode())
-    os.close(fd)
-    time.sleep(float(spec.split(":")[1]))
 
 
 def part_block(block: Block, cfg: ShardConfig, work: str, fits: Fits, fingerprint: str, dups) -> dict:
@@ -131,8 +112,6 @@ def part_block(block: Block, cfg: ShardConfig, work: str, fits: Fits, fingerprin
             if here == next_dup:  # an earlier copy exists in the global order (scan.dedup_buckets)
                 next_dup = next(skip, -1)
                 continue
-            if here == 0:
-                _test_delay(block, Path(work))
             role_key, val_key, _ = keys(digest(text), cfg.seed)
             role = fits.roles.role(role_key)
             batch.append((text, None if label is None else str(label), role, role == TRAIN and fits.roles.is_val(val_key)))

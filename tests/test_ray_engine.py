@@ -4,8 +4,8 @@ Every test runs the real CLI as a driver process against the cluster, and compar
 in-process engine's on the same config and seed, bit for bit: plain, at 4 bits with more paths than workers, and
 through a worker SIGKILLed mid-phase, an executor SIGKILLed mid-step, a node removed (and another added) mid-run,
 and a driver SIGKILLed and resumed. The quorum test leaves one phase late on purpose and checks it is dropped.
-Faults are placed with the engine's test hook DIPACO_TEST_DELAY (dipaco/taskqueue/phases.py), which makes the first
-attempt of a chosen phase or outer step sleep in its middle.
+Faults are placed with the tests' own hooks (tests/faults.py), which make the first attempt of a chosen phase or
+outer step sleep in its middle.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY_TRAIN, shard_config, tiny_train_config
+from faults import fault_env
 
 ray = pytest.importorskip("ray", reason="the Ray engine needs the ray extra: pip install -e '.[ray]'")
 pytestmark = pytest.mark.slow
@@ -138,7 +139,7 @@ def test_same_bits_at_4_bits_with_more_paths_than_workers(shards_4x4, cluster, t
 
 def test_a_worker_killed_mid_phase_is_retried_with_the_same_bits(shards_2x2, cluster, tmp_path, tmp_path_factory):
     out = tmp_path / "ray"
-    proc = start_driver(shards_2x2, out, cluster, env={"DIPACO_TEST_DELAY": "1:1:60"})
+    proc = start_driver(shards_2x2, out, cluster, env=fault_env("1:1:60", tmp_path / "faults"))
     victim = wait_for(lambda: first_attempt(out, 1, "trainee_1"), "phase (1, 1) to start")
     time.sleep(1.0)  # it is asleep halfway through its inner steps now
     os.kill(victim["pid"], signal.SIGKILL)
@@ -150,7 +151,7 @@ def test_a_worker_killed_mid_phase_is_retried_with_the_same_bits(shards_2x2, clu
 
 def test_an_executor_killed_mid_step_restarts_with_the_same_bits(shards_2x2, cluster, tmp_path, tmp_path_factory):
     out = tmp_path / "ray"
-    proc = start_driver(shards_2x2, out, cluster, env={"DIPACO_TEST_DELAY": "step:1:60"})
+    proc = start_driver(shards_2x2, out, cluster, env=fault_env("step:1:60", tmp_path / "faults"))
     victim = wait_for(lambda: next(filter(None, (first_attempt(out, 1, d.name) for d in
                                                  out.glob("queue/*/attempts/1/step_*"))), None),
                       "an outer step from version 1 to start")
@@ -168,7 +169,7 @@ def test_a_node_removed_and_another_added_mid_run(shards_2x2, cluster, tmp_path,
     # round 2's phases sleep 5 s (one is lost with the spare node); round 3's sleep 3 s, so its four phases overlap
     # and the two nodes their trainees last ran on cannot take them all: a sticky phase spills to the joined node
     delays = [f"{i}:1:5" for i in range(4)] + [f"{i}:2:3" for i in range(4)]
-    proc = start_driver(shards_2x2, out, cluster, env={"DIPACO_TEST_DELAY": ",".join(delays)})
+    proc = start_driver(shards_2x2, out, cluster, env=fault_env(",".join(delays), tmp_path / "faults"))
     running = wait_for(lambda: [a for i in range(4) if (a := first_attempt(out, 1, f"trainee_{i}"))
                                 and a["node"] == spare.node_id], "a round-2 phase on the spare node")
     cluster.remove_node(spare, allow_graceful=False)  # its phase (asleep mid-way) is lost with it
@@ -185,7 +186,7 @@ def test_a_node_removed_and_another_added_mid_run(shards_2x2, cluster, tmp_path,
 
 def test_a_driver_killed_mid_run_resumes_with_the_same_bits(shards_2x2, cluster, tmp_path, tmp_path_factory):
     out = tmp_path / "ray"
-    proc = start_driver(shards_2x2, out, cluster, env={"DIPACO_TEST_DELAY": "2:1:60"})
+    proc = start_driver(shards_2x2, out, cluster, env=fault_env("2:1:60", tmp_path / "faults"))
     # round 1 committed: its directory is renamed into place before `latest` moves, and round 2's phases need only
     # round 1's modules, so waiting for the directory alone could kill the driver between the two
     latest = out / "checkpoints" / "latest"
@@ -205,7 +206,7 @@ def test_states_kept_only_in_lost_caches_are_replayed_with_the_same_bits(shards_
     their trainees' states by replaying rounds 1 and 2 from the round-0 checkpoint, to the in-process run's bits."""
     out, cache = tmp_path / "ray", tmp_path / "cache"
     proc = start_driver(shards_2x2, out, cluster, "checkpoint_every=3",
-                        env={"DIPACO_CACHE": str(cache), "DIPACO_TEST_DELAY": "step:1:20"})
+                        env={"DIPACO_CACHE": str(cache), **fault_env("step:1:20", tmp_path / "faults")})
     commits = lambda: list(out.glob("queue/*/phases/1/trainee_*/commit.json"))  # noqa: E731
     wait_for(lambda: len(commits()) == 4 and list(out.glob("queue/*/attempts/1/step_*/*.json")), "round 2's phases")
     assert not any("state.pt" in json.loads(f.read_text())["objects"] for f in commits())  # in the caches only
@@ -221,7 +222,7 @@ def test_a_quorum_goes_ahead_without_a_late_phase(shards_2x2, cluster, tmp_path)
     out = tmp_path / "ray"
     began = time.time()
     finish(start_driver(shards_2x2, out, cluster, "ray.quorum=3", "ray.grace=20.0",
-                        env={"DIPACO_TEST_DELAY": "3:1:600"}))
+                        env=fault_env("3:1:600", tmp_path / "faults")))
     assert time.time() - began < 300  # it did not wait for the slow phase
     late = rounds(out)[1]
     assert late["dropped"] == [3] and late["train_loss_by_trainee"][3] is None

@@ -19,6 +19,7 @@ import pytest
 
 from conftest import tiny_train_config
 from dipaco.storage.objects import Storage
+from faults import fault_env
 from test_ray_storage import H, assert_same_state, attempts, bucket, command, local_copy, start, wait_for  # noqa: F401 (bucket: a fixture)
 
 ray = pytest.importorskip("ray", reason="the Ray engine needs the ray extra: pip install -e '.[ray]'")
@@ -60,7 +61,7 @@ def test_a_resume_whose_round_lacks_a_committed_phases_validation_finishes(shard
     sleeping; now it validates that path again and finishes."""
     out, sets = tmp_path / "run", ("--set", "checkpoint_every=2", "--set", "ray.sticky=false")
     proc = start(command(shards_2x2, out, *sets, address=ray_cluster.address, rounds=4),
-                 env={"DIPACO_TEST_DELAY": "step:3:60"})
+                 env=fault_env("step:3:60", tmp_path / "faults"))
     wait_for(lambda: len(list(out.glob("queue/*/phases/3/trainee_*/commit.json"))) == 4
              and list(out.glob("queue/*/attempts/3/step_*/*.json")), "round 4's phases and an outer step", timeout=240)
     proc.kill()
@@ -114,7 +115,7 @@ def test_a_killed_driver_and_a_killed_shard_command_leave_no_process(shards_2x2,
     from test_shard_engines import cli, wait_for as wait_for_file
 
     out = tmp_path / "run"  # a driver with a local Ray of its own, SIGKILLed mid-phase
-    proc = start(command(shards_2x2, out, "--workers", "2", rounds=ROUNDS), env={"DIPACO_TEST_DELAY": "0:1:60"})
+    proc = start(command(shards_2x2, out, "--workers", "2", rounds=ROUNDS), env=fault_env("0:1:60", tmp_path / "faults"))
     wait_for(lambda: first_attempt(out, 1, "trainee_0"), "phase (0, 1) to start", timeout=180)
     session = Path(wait_for(lambda: glob.glob(f"/tmp/ray/session_*_{proc.pid}"), "its Ray session")[0]).name
     assert len(holders(session)) >= 5  # GCS, raylet, agents, workers: what must end with it
@@ -123,8 +124,8 @@ def test_a_killed_driver_and_a_killed_shard_command_leave_no_process(shards_2x2,
     wait_for(lambda: not alive(holders(session)), f"every process of {session} to end", timeout=20)
 
     shard_out = tmp_path / "shards"  # a shard command with two pool workers, SIGKILLed mid-block
-    proc = cli(corpus_file, shard_out, "--num-proc", "2", env={"DIPACO_SHARD_TEST_DELAY": "0:120"})
-    wait_for_file(tmp_path / ".shards.work" / "test-delay-000000.pid", proc)
+    proc = cli(corpus_file, shard_out, "--num-proc", "2", env=fault_env("block:0:120", tmp_path / "faults"))
+    wait_for_file(tmp_path / "faults" / "block-0.pid", proc)
     children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == proc.pid]
     assert len(children) >= 2  # the pool's workers (and its resource tracker)
     proc.kill()
@@ -156,7 +157,7 @@ def test_a_bucket_runs_mirror_is_never_named_and_never_left(shards_2x2, ray_clus
     driver's mirror (no exit code ran) is removed by the next driver, which resumes to the in-process run's bits."""
     url, tmp = f"{bucket}/run", tmp_path / "tmp"
     tmp.mkdir()
-    env = {"TMPDIR": str(tmp), "DIPACO_TEST_DELAY": "1:1:60"}
+    env = {"TMPDIR": str(tmp), **fault_env("1:1:60", tmp_path / "faults")}
     proc = start(command(shards_2x2, url, address=ray_cluster.address, rounds=ROUNDS), env=env)
     wait_for(lambda: attempts(Storage(url), 1, "trainee_1"), "phase (1, 1) to start", timeout=180)
     assert [p.name.split("-")[2] for p in tmp.glob("dipaco-run-*")] == [str(proc.pid)]
@@ -238,7 +239,7 @@ def test_keep_going_waits_out_a_head_stopped_and_restarted(shards_2x2, head, tmp
     out = tmp_path / "run"
     delays = ",".join(f"{i}:1:20" for i in range(4))  # round 2's first attempts sleep: the head stops under them
     proc = start(command(shards_2x2, out, "--keep-going", address=head.address, rounds=ROUNDS),
-                 env={"RAY_AUTH_MODE": "token", "DIPACO_TEST_DELAY": delays})
+                 env={"RAY_AUTH_MODE": "token", **fault_env(delays, tmp_path / "faults")})
     wait_for(lambda: (out / "checkpoints" / "round_1").is_dir() and len(list(out.glob("queue/*/attempts/1/trainee_*"))) >= 2,
              "round 2 to start", timeout=240)
     head.stop()

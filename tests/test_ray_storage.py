@@ -11,11 +11,13 @@ one phase, and the local Ray kept off every non-loopback address.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY_TRAIN, tiny_train_config
+from faults import fault_env
 
 ray = pytest.importorskip("ray", reason="the Ray engine needs the ray extra: pip install -e '.[ray]'")
 pytestmark = pytest.mark.slow
@@ -146,7 +149,7 @@ def test_a_bucket_run_with_a_worker_killed_is_the_in_process_run_bit_for_bit(sha
     from dipaco.storage.objects import Storage
 
     url = f"{bucket}/run"
-    proc = start(command(shards_2x2, url, address=ray_cluster.address), env={"DIPACO_TEST_DELAY": "1:1:60"})
+    proc = start(command(shards_2x2, url, address=ray_cluster.address), env=fault_env("1:1:60", tmp_path / "faults"))
     victim = wait_for(lambda: (a := attempts(Storage(url), 1, "trainee_1")) and a[0], "phase (1, 1) to start")
     time.sleep(1.0)  # asleep halfway through its inner steps now
     os.kill(victim["pid"], signal.SIGKILL)
@@ -230,7 +233,7 @@ def test_the_whole_cluster_killed_and_restarted_under_keep_going(shards_2x2, ref
     c = new_cluster()
     assert c.address.endswith(f":{port}")
     proc = start(command(shards_2x2, out, "--keep-going", address=c.address),
-                 env={"DIPACO_TEST_DELAY": "0:1:30,1:1:30,2:1:30,3:1:30"})
+                 env=fault_env("0:1:30,1:1:30,2:1:30,3:1:30", tmp_path / "faults"))
     try:
         wait_for(lambda: (out / "checkpoints" / "round_1").is_dir() and list(out.glob("queue/*/attempts/1/trainee_*")),
                  "round 2 to start", timeout=180)
@@ -267,7 +270,7 @@ def test_a_worker_killed_five_times_in_one_phase_does_not_abort(shards_2x2, ray_
     from dipaco.storage.objects import Storage
 
     out = tmp_path / "run"
-    proc = start(command(shards_2x2, out, address=ray_cluster.address), env={"DIPACO_TEST_DELAY": "2:1:60:5"})
+    proc = start(command(shards_2x2, out, address=ray_cluster.address), env=fault_env("2:1:60:5", tmp_path / "faults"))
     for k in range(1, 6):
         a = wait_for(lambda: len(x := attempts(Storage(str(out)), 1, "trainee_2")) >= k and x[k - 1],
                      f"attempt {k} of phase (2, 1)")
@@ -286,7 +289,7 @@ def test_a_worker_killed_five_times_in_one_phase_does_not_abort(shards_2x2, ray_
 
 _PORTS = """
 import json, socket, sys
-from dipaco.taskqueue.ray_cluster import connect, non_loopback_addresses
+from dipaco.taskqueue.ray_cluster import connect
 import ray
 info = connect("", 1)
 node = ray.nodes()[0]
@@ -297,19 +300,32 @@ def reach(host, port):
         return True
     except OSError:
         return False
-print(json.dumps({"gcs": info["address"], "hosts": non_loopback_addresses(),
-                  "outside": {f"{h}:{p}": reach(h, p) for h in non_loopback_addresses() for p in ports},
+hosts = json.loads(sys.argv[1])
+print(json.dumps({"gcs": info["address"], "outside": {f"{h}:{p}": reach(h, p) for h in hosts for p in ports},
                   "loopback": {str(p): reach("127.0.0.1", p) for p in ports}}))
 ray.shutdown()
 """
 
 
+def non_loopback_addresses() -> list[str]:
+    """This machine's IPv4 addresses other than 127.x: its host name's, and the one a route to the outside leaves
+    from (a UDP connect picks the route and sends nothing)."""
+    found = set()
+    with contextlib.suppress(OSError):
+        found |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: never answered, only routed
+        found.add(probe.getsockname()[0])
+    return sorted(a for a in found if not a.startswith("127."))
+
+
 def test_the_local_ray_is_not_reachable_on_other_addresses():
-    done = subprocess.run([sys.executable, "-c", _PORTS], capture_output=True, text=True, timeout=180)
+    hosts = non_loopback_addresses()
+    done = subprocess.run([sys.executable, "-c", _PORTS, json.dumps(hosts)], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["gcs"].startswith("127.0.0.1:") and all(seen["loopback"].values()), seen
-    if not seen["hosts"]:
+    if not hosts:
         pytest.skip("this machine has no non-loopback address to try")
     assert not any(seen["outside"].values()), seen
 
@@ -365,7 +381,7 @@ def test_left_over_and_damaged_queues_never_give_other_weights(shards_2x2, ray_c
 def test_sigterm_ends_the_driver_in_one_dipaco_line(shards_2x2, ray_cluster, reference, tmp_path):
     out = tmp_path / "run"
     round_1_of(reference, out)
-    proc = start(command(shards_2x2, out, address=ray_cluster.address, resume=True), env={"DIPACO_TEST_DELAY": "0:1:30"})
+    proc = start(command(shards_2x2, out, address=ray_cluster.address, resume=True), env=fault_env("0:1:30", tmp_path / "faults"))
     wait_for(lambda: list(out.glob("queue/*/attempts/1/trainee_0/*.json")), "round 2 to start")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import shard_config
+from faults import fault_env
 
 pytestmark = pytest.mark.slow
 
@@ -123,8 +124,8 @@ def test_two_local_processes_write_the_same_bytes(corpus, reference, tmp_path):
 def test_ray_on_two_nodes_writes_the_same_bytes_through_a_lost_worker(corpus, reference, ray_cluster, tmp_path):
     # block 3's first attempt sleeps mid-block; its worker process is SIGKILLed; Ray retries it on a live worker
     out = tmp_path / "k"
-    proc = cli(corpus, out, "--engine", "ray", "--address", ray_cluster.address, env={"DIPACO_SHARD_TEST_DELAY": "3:60"})
-    os.kill(wait_for(tmp_path / ".k.work" / "test-delay-000003.pid", proc), signal.SIGKILL)
+    proc = cli(corpus, out, "--engine", "ray", "--address", ray_cluster.address, env=fault_env("block:3:60", tmp_path / "faults"))
+    os.kill(wait_for(tmp_path / "faults" / "block-3.pid", proc), signal.SIGKILL)
     finish(proc)
     execution = json.loads((out / "manifest.json").read_text())["execution"]
     assert (execution["engine"], execution["workers"]) == ("ray", 2)
@@ -133,8 +134,8 @@ def test_ray_on_two_nodes_writes_the_same_bytes_through_a_lost_worker(corpus, re
 
 def test_a_killed_driver_resumes_to_the_same_bytes(corpus, reference, tmp_path):
     out, work = tmp_path / "s", tmp_path / ".s.work"
-    proc = cli(corpus, out, "--num-proc", "1", env={"DIPACO_SHARD_TEST_DELAY": "4:120"})
-    assert wait_for(work / "test-delay-000004.pid", proc) == proc.pid  # in-process: the driver sleeps mid-pass 2
+    proc = cli(corpus, out, "--num-proc", "1", env=fault_env("block:4:120", tmp_path / "faults"))
+    assert wait_for(tmp_path / "faults" / "block-4.pid", proc) == proc.pid  # in-process: the driver sleeps mid-pass 2
     proc.kill()
     proc.wait()
     assert len(list((work / "parts").glob("0*"))) == 4 and not out.exists()

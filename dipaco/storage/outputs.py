@@ -51,17 +51,7 @@ def owner_kind(directory: str | Path) -> str | None:
             continue
         if isinstance(content, dict) and valid(content):
             return kind
-    return "quickstart" if _older_quickstart(directory) else None
-
-
-_QUICKSTART_NAMES = {"corpus.jsonl", "shards", "runs", "report.json", "report.md", "report.png", "report_rounds.png",
-                     "report_paths.png"}
-
-
-def _older_quickstart(directory: Path) -> bool:
-    """A quickstart directory written before it had a marker: only quickstart's names, and its shards."""
-    return ((directory / "corpus.jsonl").is_file() and owner_kind(directory / "shards") == "shards"
-            and {p.name for p in directory.iterdir()} <= _QUICKSTART_NAMES)
+    return None
 
 
 def listing(directory: Path, show: int = 3) -> str:

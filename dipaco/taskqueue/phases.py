@@ -14,11 +14,6 @@ output with a commit record that only the first attempt creates.
 
 Same inputs, same bits: a task pins its torch threads (``threads``, as every engine does), and nothing it computes depends on which
 process or machine runs it, so a retried phase writes exactly what the lost attempt would have written.
-
-Test hook: ``DIPACO_TEST_DELAY="<trainee>:<version>:<seconds>[:<attempts>],step:<version>:<seconds>"`` makes the
-first attempt (or the first ``attempts``) of
-that phase sleep halfway through its inner steps, or the first outer step from that version sleep after its first
-module (tests kill the process there, or leave a phase late for a quorum).
 """
 
 from __future__ import annotations
@@ -142,10 +137,7 @@ def run_phase(spec: PhaseSpec, node: str = "") -> dict:
 
     tr.model.model.train()
     H, losses, logs = cfg.inner_steps, [], []
-    delay = _test_delay(i, v, attempt)
-    for k in range(H):
-        if delay and k == H // 2:
-            time.sleep(delay)
+    for _ in range(H):
         loss = inner_step(tr, cfg, spec.schedule_steps)
         losses.append(loss)
         if (record := inner_record(cfg, tr, v + 1, loss)) is not None:
@@ -224,7 +216,6 @@ def outer_step(spec: StepSpec, node: str = "") -> dict:
     if done is not None:  # an earlier attempt committed it before it was lost
         return done["record"]
     store.record_attempt(spec.version, f"step_{spec.group}", where() | {"node": node})
-    delay = _test_delay("step", spec.version, store.step_attempts(spec.version))
     momentum = store.load_tensors(spec.outer)
     received, new_momentum, objects, payloads = 0, {}, {}, {}
     for m, names in spec.layout.items():
@@ -244,9 +235,6 @@ def outer_step(spec: StepSpec, node: str = "") -> dict:
             grad = unflatten(reduce_arrived(vectors, spec.weights[m], bits, block), tensors)
             rescale_and_step(outer, m, grad, cfg.grid.sqrt_rescale, spec.paths_through[m])
         objects[f"{m}.safetensors"] = store.put(base, attempt_id, f"{m}.safetensors", tensors_bytes(tensors))
-        if delay:  # a test kills the executor here
-            time.sleep(delay)
-            delay = 0.0
         new_momentum.update(outer.state_dict())
     objects["outer.safetensors"] = store.put(base, attempt_id, "outer.safetensors", tensors_bytes(new_momentum))
     record = {"group": spec.group, "version": spec.version + 1, "contributors": sorted(spec.contributors),
@@ -314,12 +302,3 @@ def retry_backoff(attempt: int) -> float:
     """Seconds attempt ``attempt`` (2, 3, ...) of a task waits before it starts: 0.5, 1, 2, ... up to 30."""
     return min(30.0, 0.5 * 2 ** (attempt - 2))
 
-
-def _test_delay(who: int | str, version: int, attempt: int) -> float:
-    """Seconds the first attempt (the first N with ``:N``) of phase (``who`` = trainee, version) or of an outer step
-    from ``version`` (``who`` = "step": any group's step) sleeps, from the test hook ``DIPACO_TEST_DELAY``."""
-    for item in filter(None, os.environ.get("DIPACO_TEST_DELAY", "").split(",")):
-        target, v, seconds, *upto = item.split(":")
-        if target == str(who) and int(v) == version and attempt <= int(upto[0] if upto else 1):
-            return float(seconds)
-    return 0.0

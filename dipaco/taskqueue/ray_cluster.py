@@ -186,19 +186,3 @@ def disconnect() -> None:
             _watcher.wait(timeout=30)
             _watcher = None
 
-
-def non_loopback_addresses() -> list[str]:
-    """This machine's IPv4 addresses other than 127.x (for the test that the local Ray is not reachable there)."""
-    found = set()
-    try:
-        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
-            found.add(info[4][0])
-    except OSError:
-        pass
-    try:  # the address a packet to the outside would leave from (no packet is sent: UDP connect only picks a route)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("192.0.2.1", 9))
-            found.add(s.getsockname()[0])
-    except OSError:
-        pass
-    return sorted(a for a in found if not a.startswith("127."))

@@ -99,7 +99,7 @@ def _train(cfg: TrainConfig, shards_dir, location: str, local: Path, resume: boo
     if cfg.init_from:
         check_dense_source(cfg.init_from, shards)
     # tasks see the driver's object-store settings (an endpoint, credentials where the nodes have none of their own)
-    env = {k: v for k, v in os.environ.items() if k.startswith(("DIPACO_TEST_", "AWS_", "DIPACO_CACHE"))}
+    env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "DIPACO_CACHE"))}
     try:
         connect(cfg.ray.address, workers, env)  # before the lease: a command that cannot join writes nothing
         signal.signal(signal.SIGTERM, _interrupt)  # after Ray's own handler (a native stack dump): one dipaco line

@@ -186,11 +186,6 @@ class TaskStore:
                 continue
         return sorted(found, key=lambda a: a["started"])
 
-    def step_attempts(self, v: int) -> int:
-        """Attempts of outer steps from version v, over all groups."""
-        base = f"{self.root}/attempts/{v}"
-        return sum(len(self.storage.list(f"{base}/{d}")) for d in self.storage.list(base) if d.startswith("step_"))
-
     def drop(self, v: int, i: int, why: str) -> None:
         self.storage.write(self.dropped_key(v, i), (why + "\n").encode())
 
