@@ -3,8 +3,11 @@ from W&B's offline run files; a resumed run continues the same tracker run with 
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import sys
+import time
 
 import pytest
 
@@ -13,6 +16,7 @@ from dipaco.errors import DipacoError
 from dipaco.training.engine_steps import round_line
 from dipaco.training.tracker_backends import require
 from dipaco.training.trackers import NORMS, round_scalars
+from tracker_readers import tensorboard_scalars, wandb_runs
 
 PATHS = ["0-0", "0-1", "1-0", "1-1"]
 NORMED = {"L0.E0": {"outer_grad_norm": 2.0, "update_norm": 1.5, "momentum_norm": 3.0}}
@@ -60,3 +64,39 @@ def test_a_missing_tracker_package_is_one_line_naming_its_extra(monkeypatch, nam
     with pytest.raises(DipacoError) as err:
         require(["tensorboard", "wandb"])
     assert str(err.value) == f"--log-to {name} needs the {name} package: pip install -e '.[{name}]'"
+
+
+# ------------------------------------------------------------------------------------------------ real runs
+def test_serve_log_to_needs_a_run(tmp_path, capsys):
+    from conftest import one_error_line
+    from dipaco.cli.commands import main
+
+    assert main(["serve", "--model", str(tmp_path), "--log-to", "tensorboard"]) == 2
+    assert "--log-to needs --run" in one_error_line(capsys, "serve")
+
+
+def test_eval_and_serve_log_to_the_run_s_tracker_run(small_runs, shards_2x2, tmp_path, monkeypatch):
+    from dipaco.cli.commands import main
+    from serve_helpers import ServerProcess
+
+    run = tmp_path / "run"
+    shutil.copytree(small_runs / "dipaco", run)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert main(["eval", "--run", f"dipaco={run}", "--shards", str(shards_2x2), "--out", str(tmp_path / "r.json"),
+                 "--no-oracle", "--no-random", "--quiet", "--log-to", "tensorboard,wandb"]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    scalars = tensorboard_scalars(run / "tensorboard")
+    assert scalars["eval_ppl/dipaco"] == [(1, pytest.approx(report["methods"]["dipaco"]["perplexity"], rel=1e-6))]
+    for _ in range(2):  # two servers: the second one's seconds follow the first one's
+        server = ServerProcess("--run", str(run), "--log-to", "tensorboard,wandb", "--set", "log_interval=1",
+                               env={"WANDB_MODE": "offline"})
+        status, body, _ = server.post("/v1/completions", {"model": "run", "prompt": "def f(x):", "max_tokens": 8})
+        assert status == 200, body
+        time.sleep(1.2)
+        assert server.stop() == 0
+    served = tensorboard_scalars(run / "tensorboard")["serve/generated_tokens"]
+    steps = [s for s, _ in served]
+    assert steps == sorted(set(steps)) and max(v for _, v in served) >= 8  # never a step twice; the tokens counted
+    runs = wandb_runs(run)
+    assert len({r["id"] for r in runs}) == 1 and len(runs) == 3  # eval and two servers, one W&B run
+    assert runs[0]["history"][0]["eval_ppl/dipaco"] == pytest.approx(report["methods"]["dipaco"]["perplexity"])
