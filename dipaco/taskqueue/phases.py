@@ -217,7 +217,7 @@ def outer_step(spec: StepSpec, node: str = "") -> dict:
         return done["record"]
     store.record_attempt(spec.version, f"step_{spec.group}", where() | {"node": node})
     momentum = store.load_tensors(spec.outer)
-    received, new_momentum, objects, payloads = 0, {}, {}, {}
+    received, new_momentum, objects, payloads, norms = 0, {}, {}, {}, {}
     for m, names in spec.layout.items():
         loaded = store.load_tensors(spec.modules[m])
         tensors = {n: loaded[n] for n in names}
@@ -234,12 +234,13 @@ def outer_step(spec: StepSpec, node: str = "") -> dict:
                 vectors[i] = sent if bits == 32 else dequantize(sent, numel, bits, block)
             grad = unflatten(reduce_arrived(vectors, spec.weights[m], bits, block), tensors)
             rescale_and_step(outer, m, grad, cfg.grid.sqrt_rescale, spec.paths_through[m])
+            norms |= outer.module_norms([m])  # the round record's per-module norms (the trackers plot them)
         objects[f"{m}.safetensors"] = store.put(base, attempt_id, f"{m}.safetensors", tensors_bytes(tensors))
         new_momentum.update(outer.state_dict())
     objects["outer.safetensors"] = store.put(base, attempt_id, "outer.safetensors", tensors_bytes(new_momentum))
     record = {"group": spec.group, "version": spec.version + 1, "contributors": sorted(spec.contributors),
               "bytes_received": received, "seconds": time.perf_counter() - began, **where(), "node": node,
-              **store.storage.counters()}
+              "module_norms": norms, **store.storage.counters()}
     store.commit(base, attempt_id, objects, record)
     return record
 
