@@ -14,9 +14,10 @@ import torch
 from dipaco.cli.commands import main
 from dipaco.errors import DipacoError
 from dipaco.storage import checkpoint
-from dipaco.storage.run import Run, assign
+from dipaco.storage.run import Run
 from dipaco.training.comm import LocalWorld, analytic_bytes, make_world
 from dipaco.training.launch import free_port, torchrun_command
+from dipaco.training.plan import assign
 from dipaco.training.quant import payload_bytes
 from dipaco.training.train import train
 

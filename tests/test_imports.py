@@ -1,6 +1,6 @@
 """Import direction and import circles, read from the source with `ast` (nothing is imported).
 
-The rule is DESIGN.md's: `dipaco/cli/` (the commands, their flags, quickstart) sits on top and calls every stage;
+The rule is docs/layout.md's ("Imports run one way"): `dipaco/cli/` (the commands, their flags, quickstart) sits on top and calls every stage;
 `sharding` and `eval` use `routing` and the core; `routing` uses the core; the core (the rest of `dipaco/`, its
 subpackages included) never imports a stage. One more edge is established and kept: eval reads the tokenizer
 through `dipaco.sharding.tokenizer` (eval/documents.py, eval/window_router.py), so eval stands above sharding and
@@ -9,9 +9,10 @@ imported in three, all in dipaco/taskqueue/: ray_cluster.py (connecting, and the
 every engine that uses Ray), ray_engine.py (the training task queue) and ray_tasks.py (the shard stage's plain
 retried tasks).
 
-Every import counts, also one inside a function (a lazy import hides a circle from Python, not from a reader:
-`config.py` -> `streaming.py` -> `model.py` -> `config.py` was one); only imports under `if TYPE_CHECKING:` are
-left out, as they never run.
+Every import counts, also one inside a function (a lazy import hides a circle from Python, not from a reader);
+only imports under `if TYPE_CHECKING:` are left out, as they never run. Circles are refused between modules and
+between packages (the folders right under dipaco/, a stage's subfolders counted as the stage): two packages that
+import each other are one part in two folders, even when no two of their modules form a circle.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def test_imports_run_one_way():
     graph, _ = imports(modules())
     wrong = sorted(f"{m} ({floor(m)}) imports {t} ({floor(t)})" for m, ts in graph.items() for t in ts
                    if FLOORS[floor(t)] > FLOORS[floor(m)])
-    assert not wrong, "imports against the design's direction (DESIGN.md, 'Imports run one way'):\n" + "\n".join(wrong)
+    assert not wrong, "imports against the layering (docs/layout.md, 'Imports run one way'):\n" + "\n".join(wrong)
 
 
 def test_no_import_circles():
@@ -149,6 +150,47 @@ def test_no_import_circles():
     assert not new, f"import circles: {new}; break them (move the shared piece down a floor)"
     assert not gone, f"fixed, so remove from KNOWN_CYCLES in tests/test_imports.py: {gone}"
     assert not any("dipaco.config" in c for c in found)
+
+
+def package(module: str, mods: dict[str, Path]) -> str:
+    """The package a module belongs to: ``dipaco.<folder>`` for a folder right under dipaco/ (or a stage: routing,
+    sharding, eval), with everything below it; ``dipaco`` for the files at the top."""
+    parts = module.split(".")
+    top = ".".join(parts[:2])
+    return top if len(parts) > 1 and mods.get(top, Path()).stem == "__init__" else parts[0]
+
+
+def package_graph(graph: dict[str, set[str]], mods: dict[str, Path]) -> dict[str, set[str]]:
+    """{package: the other packages its modules import}."""
+    out: dict[str, set[str]] = {}
+    for m, targets in graph.items():
+        out.setdefault(package(m, mods), set()).update(package(t, mods) for t in targets)
+    return {p: targets - {p} for p, targets in out.items()}
+
+
+def test_a_package_circle_without_a_module_circle_is_seen(tmp_path):
+    files = {"dipaco/__init__.py": "", "dipaco/config.py": "", "dipaco/a/__init__.py": "", "dipaco/b/__init__.py": "",
+             "dipaco/a/x.py": "from dipaco.b import y\n", "dipaco/a/w.py": "import dipaco.config\n",
+             "dipaco/b/y.py": "", "dipaco/b/z.py": "from dipaco.a.w import f\n"}
+    mods = {}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+        name = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        mods[name] = tmp_path / rel
+    graph, _ = imports(mods)
+    assert cycles(graph) == []
+    assert package_graph(graph, mods) == {"dipaco": set(), "dipaco.a": {"dipaco", "dipaco.b"}, "dipaco.b": {"dipaco.a"}}
+    assert cycles(package_graph(graph, mods)) == [{"dipaco.a", "dipaco.b"}]
+
+
+def test_no_package_circles():
+    mods = modules()
+    graph, _ = imports(mods)
+    found = [sorted(c) for c in cycles(package_graph(graph, mods))]
+    edges = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts for c in found
+                   if package(m, mods) in c and package(t, mods) in c and package(m, mods) != package(t, mods))
+    assert not found, f"package circles {found}: " + "; ".join(edges) + " (move the shared piece into one of them)"
 
 
 def test_config_imports_only_leaf_modules():

@@ -178,11 +178,12 @@ def test_two_attempts_of_a_phase_finish_and_only_the_first_commit_is_read(shards
     lost and its retry would: the second commit is refused, the loser's objects are then damaged on purpose, and the
     Ray engine resumes the run through that queue to the in-process run's bits."""
     from dipaco.storage.objects import Storage
-    from dipaco.storage.run import Plan, build_grid
+    from dipaco.storage.run import build_grid
     from dipaco.storage.shards import ShardSet
     from dipaco.taskqueue.phases import PhaseSpec, run_phase
     from dipaco.taskqueue.runstore import config_digest
     from dipaco.taskqueue.taskstore import TaskStore, ref
+    from dipaco.training.plan import Plan
 
     url, s = f"{bucket}/run", Storage(f"{bucket}/run")
     for f in sorted(reference.rglob("*")):

@@ -17,10 +17,11 @@ ROUNDS, H = 3, 4
 
 def test_a_phase_off_its_node_replays_to_the_cached_state(shards_2x2, tmp_path, monkeypatch):
     from dipaco.errors import DipacoError
-    from dipaco.storage.run import Plan, build_grid
+    from dipaco.storage.run import build_grid
     from dipaco.storage.shards import ShardSet
     from dipaco.taskqueue.phases import PhaseSpec, durable_state, run_phase
     from dipaco.taskqueue.taskstore import TaskStore, ref
+    from dipaco.training.plan import Plan
     from dipaco.training.train import train
 
     monkeypatch.setenv("DIPACO_CACHE", str(tmp_path / "cache"))

@@ -128,7 +128,7 @@ def cmd_train(args) -> None:
     if cfg.engine == "ray":
         return _train_on_ray(cfg, args)
     if args.workers:
-        from dipaco.storage.run import preflight
+        from dipaco.training.plan import preflight
         from dipaco.training.launch import launch_local
 
         preflight(cfg, args.shards, args.out, args.resume, args.workers)  # bad input: exit code 2, no worker started

@@ -1,5 +1,5 @@
-"""A run: who trains what where (``Plan``), its directory's lifecycle while it trains (``RunDirectory``:
-preflight, resume checks, creation, round 0), and the trained directory read back (``Run``).
+"""A run: its directory's lifecycle while it trains (``RunDirectory``: resume checks, creation, round 0), and the
+trained directory read back (``Run``). Which trainee trains what is training's (``dipaco.training.plan``).
 
     RUN/config.toml     the resolved training config
     RUN/run.json        grid, vocabulary, the shard directory's fingerprint, trainees, versions
@@ -9,8 +9,8 @@ preflight, resume checks, creation, round 0), and the trained directory read bac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,12 +18,13 @@ import dipaco
 from dipaco.config import TrainConfig, from_dict, read_toml, to_dict, to_toml
 from dipaco.errors import DipacoError
 from dipaco.io import atomic_write_text, read_json, write_json
-from dipaco.model.grid import Grid, format_grid, parse_grid
+from dipaco.model.grid import Grid, format_grid
 from dipaco.model.path_model import PathModel, count_parameters, init_modules, llama_config
 from dipaco.storage import checkpoint
 from dipaco.storage.shards import ShardSet
-from dipaco.training.devices import resolve_device
-from dipaco.training.outer import module_weights
+
+if TYPE_CHECKING:  # a type only: training imports storage, never the other way
+    from dipaco.training.plan import Plan
 
 
 def build_grid(cfg: TrainConfig, shape: str) -> Grid:
@@ -31,72 +32,7 @@ def build_grid(cfg: TrainConfig, shape: str) -> Grid:
     return Grid.build(shape, cfg.model.num_layers, g.level_sizes, g.private_blocks, g.private_embedding, g.private_head)
 
 
-# ------------------------------------------------------------------------------ the plan
-def plan_trainees(grid: Grid, shards: ShardSet, cfg: TrainConfig) -> list[tuple[str, list[str]]]:
-    """(grid path, shard paths it reads) for every trainee."""
-    if grid.shape == parse_grid(shards.grid):
-        return [(p, [p]) for p in shards.paths]
-    if grid.num_paths == 1:
-        if cfg.grid.replicas_per_shard:
-            return [(grid.paths[0], [p]) for p in shards.paths]
-        return [(grid.paths[0], shards.paths)]
-    raise DipacoError(f"training grid {format_grid(grid.shape)} does not match the shards' grid {shards.grid}; "
-                      f"leave grid.shape empty, use '1' for the dense baseline, or re-shard with --grid {format_grid(grid.shape)}")
-
-
-def assign(num_trainees: int, workers: int) -> list[int]:
-    """The rank of every trainee: contiguous runs, as even as possible."""
-    if workers > num_trainees:
-        raise DipacoError(f"{workers} workers but only {num_trainees} trainees; use at most {num_trainees} workers "
-                          f"(or more trainees: a larger grid or grid.replicas_per_shard)")
-    return [i * workers // num_trainees for i in range(num_trainees)]
-
-
-@dataclass
-class Plan:
-    """Every trainee's path, shards, rank and size (training tokens), and every module's weights
-    ``{module: {trainee: w_i}}`` in its outer-gradient average (``outer.module_weights``: ∝ size, sum 1)."""
-    trainees: list[tuple[str, list[str]]]
-    ranks: list[int]
-    sizes: list[int]
-    weights: dict[str, dict[int, float]]
-
-    @classmethod
-    def make(cls, cfg: TrainConfig, grid: Grid, shards: ShardSet, workers: int) -> "Plan":
-        trainees = plan_trainees(grid, shards, cfg)
-        ranks = assign(len(trainees), workers)
-        sizes = [shards.tokens_of(s) for _, s in trainees]
-        return cls(trainees, ranks, sizes, module_weights([grid.path_modules(p) for p, _ in trainees], sizes))
-
-    @property
-    def paths(self) -> list[str]:
-        return [p for p, _ in self.trainees]
-
-    def holders(self) -> dict[str, dict[int, int]]:
-        """{module: {trainee: rank}} over the module's trainees (``World.setup``)."""
-        return {m: {i: self.ranks[i] for i in ws} for m, ws in self.weights.items()}
-
-    def holder_ranks(self, module: str) -> list[int]:
-        return sorted({self.ranks[i] for i in self.weights[module]})
-
-    def validator_ranks(self) -> dict[str, int]:
-        """The rank that validates each path: the lowest rank training it."""
-        return {p: min(self.ranks[i] for i, q in enumerate(self.paths) if q == p) for p in self.paths}
-
-
 # ------------------------------------------------------------------------------ the run directory's lifecycle
-def preflight(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume: bool, workers: int) -> None:
-    """Every check a worker would make on its inputs, made once before ``--workers`` launches torchrun, so that
-    bad input gets one line and exit code 2 instead of an error per worker and a launcher traceback."""
-    shards = ShardSet(shards_dir)
-    grid = build_grid(cfg, cfg.grid.shape or shards.grid)
-    assign(len(plan_trainees(grid, shards, cfg)), workers)
-    resolve_device(cfg.device)
-    RunDirectory(run_dir, cfg, shards).check(resume)
-    if cfg.init_from:
-        check_dense_source(cfg.init_from, shards)
-
-
 # inner_steps too: a round's global steps (r·H + 1 ...) and the trainees' step counters must keep lining up
 _COMPATIBLE_SECTIONS = ("model", "grid", "inner", "outer", "streaming", "seed", "inner_steps")
 

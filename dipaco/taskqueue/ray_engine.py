@@ -37,7 +37,7 @@ from dipaco.errors import DipacoError
 from dipaco.model.grid import format_grid
 from dipaco.storage import checkpoint
 from dipaco.storage.objects import Storage
-from dipaco.storage.run import Plan, RunDirectory, build_grid, check_dense_source
+from dipaco.storage.run import RunDirectory, build_grid, check_dense_source
 from dipaco.storage.shards import ShardSet
 from dipaco.taskqueue.lease import Lease
 from dipaco.taskqueue.phases import PhaseSpec, StepSpec, outer_step, run_phase, validate_path
@@ -50,6 +50,7 @@ from dipaco.taskqueue.schedule import Scheduler, describe
 from dipaco.taskqueue.specs import TaskSpecs, module_layout, skeleton_model
 from dipaco.taskqueue.taskstore import TaskStore
 from dipaco.training.devices import phase_device, phase_resources
+from dipaco.training.plan import Plan
 
 
 # a loss of machines or of the connection to the cluster: never an error of the run (--keep-going waits it out)

@@ -11,7 +11,7 @@ DiPaCo: one trainee per path on the path's shard. Dense baseline (grid '1'): one
 shards pooled. DiLoCo (grid '1' + grid.replicas_per_shard): one trainee per shard, same path.
 
 Workers: with no launcher every trainee runs in this process (a world of one). Under torchrun the
-trainees are split into contiguous runs over the ranks (``dipaco.storage.run.Plan``); a worker builds only its
+trainees are split into contiguous runs over the ranks (``dipaco.training.plan.Plan``); a worker builds only its
 trainees and holds only the modules their paths use. The transport is ``dipaco.training.comm``; the run
 directory's lifecycle (checks, creation, resume, round 0) is ``dipaco.storage.run.RunDirectory``. The run
 directory must be shared by all workers (one machine, or a shared file system across nodes).
@@ -32,12 +32,13 @@ from dipaco.io import write_json
 from dipaco.model.grid import Grid, format_grid
 from dipaco.model.path_model import PathModel, llama_config, new_model
 from dipaco.storage import checkpoint
-from dipaco.storage.run import Plan, RunDirectory, build_grid, initial_modules
+from dipaco.storage.run import RunDirectory, build_grid, initial_modules
 from dipaco.storage.shards import ShardSet
 from dipaco.training.comm import World, make_world
 from dipaco.training.devices import deterministic, resolve_device
 from dipaco.training.engine_steps import inner_record
 from dipaco.training.outer import OuterOptimizer
+from dipaco.training.plan import Plan
 from dipaco.training.round_log import RoundLog, phase_tokens
 from dipaco.training.sync import ModuleSync
 from dipaco.training.trainee import Trainee, fixed_windows, inner_step, make_trainee, round_losses, validate
