@@ -41,6 +41,7 @@ from dipaco.training.outer import OuterOptimizer
 from dipaco.training.plan import Plan
 from dipaco.training.round_log import RoundLog, phase_tokens
 from dipaco.training.sync import ModuleSync
+from dipaco.training.trackers import Trackers
 from dipaco.training.trainee import Trainee, fixed_windows, inner_step, make_trainee, round_losses, validate
 
 
@@ -59,7 +60,8 @@ def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume:
         validator = Validator(cfg, shards, grid, plan, world.rank, device)
         checkpointer = checkpoint.Checkpointer(run_dir, world, list(plan.weights), plan.paths)
         start, schedule = RunDirectory(run_dir, cfg, shards).begin(resume, world, grid, plan, worker, checkpointer)
-        gather = RoundGather(run_dir, cfg, world, len(plan.trainees), max(0, cfg.rounds - start) * len(worker.trainees), progress)
+        gather = RoundGather(run_dir, cfg, world, len(plan.trainees), max(0, cfg.rounds - start) * len(worker.trainees), progress,
+                             norms=lambda: worker.outer.module_norms(worker.owned))
         H, sync = cfg.inner_steps, worker.sync
         for r in range(start, cfg.rounds):
             worker.begin_round()                              # this round's losses and clock
@@ -166,20 +168,24 @@ class RoundGather:
     """Every worker's round report, gathered to rank 0, which writes it to the run's round log
     (``dipaco.training.round_log``)."""
 
-    def __init__(self, run_dir: Path, cfg: TrainConfig, world: World, num_trainees: int, rounds: int, progress: bool):
-        """``rounds``: the progress bar's length in rounds of this worker's trainees."""
-        self.cfg, self.world, self.num_trainees = cfg, world, num_trainees
+    def __init__(self, run_dir: Path, cfg: TrainConfig, world: World, num_trainees: int, rounds: int, progress: bool,
+                 norms=dict):
+        """``rounds``: the progress bar's length in rounds of this worker's trainees; ``norms()``: the norms of the
+        modules this worker owns after the round's outer steps (``OuterOptimizer.module_norms``)."""
+        self.cfg, self.world, self.num_trainees, self.norms = cfg, world, num_trainees, norms
         # bytes and comm/wait seconds since the previous round's line: a reduction counts in the line of the round
         # it ends in, also when it ends between two rounds (while validating or checkpointing); counting from each
         # round's start lost those, so a run's total depended on timing
         self.counted = world.stats()
-        self.log = RoundLog(run_dir, rounds * cfg.inner_steps, f"train {run_dir.name}", progress, writes=world.rank == 0)
+        self.trackers = Trackers.open(run_dir, cfg.log) if world.rank == 0 else None  # --log-to: the same records
+        self.log = RoundLog(run_dir, rounds * cfg.inner_steps, f"train {run_dir.name}", progress, writes=world.rank == 0,
+                            listeners=[self.trackers] if self.trackers else [])
 
     def round(self, r: int, report: dict, val: dict[str, float]) -> None:
         stats = self.world.stats()
         reports = self.world.gather({"losses": report["losses"], "val": val, "inner": report["inner"],
                                      "compute_s": report["compute_s"], "seconds": time.perf_counter() - report["began"],
-                                     **{k: v - self.counted[k] for k, v in stats.items()}})
+                                     "module_norms": self.norms(), **{k: v - self.counted[k] for k, v in stats.items()}})
         self.counted = stats
         if self.world.rank != 0:
             return
@@ -190,10 +196,12 @@ class RoundGather:
                        seconds=max(p["seconds"] for p in reports), tokens=phase_tokens(self.cfg) * self.num_trainees,
                        workers=len(reports), bytes_sent=sum(by_rank["bytes_sent"]),
                        bytes_received=sum(by_rank["bytes_received"]), inner=[x for p in reports for x in p["inner"]],
-                       **mean, by_worker=by_rank)
+                       **mean, module_norms={m: n for p in reports for m, n in p["module_norms"].items()}, by_worker=by_rank)
 
     def close(self) -> None:
         self.log.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def write_worker_report(run_dir: Path, worker: Worker, world: World) -> None:
