@@ -100,3 +100,57 @@ def test_eval_and_serve_log_to_the_run_s_tracker_run(small_runs, shards_2x2, tmp
     runs = wandb_runs(run)
     assert len({r["id"] for r in runs}) == 1 and len(runs) == 3  # eval and two servers, one W&B run
     assert runs[0]["history"][0]["eval_ppl/dipaco"] == pytest.approx(report["methods"]["dipaco"]["perplexity"])
+
+
+def expected_tags(grid_paths: list[str], modules: list[str]) -> set[str]:
+    return ({f"train_loss/{p}" for p in grid_paths} | {f"val_ppl/{p}" for p in grid_paths}
+            | {f"{n}/{m}" for n in NORMS for m in modules} | {"speed/tokens_per_s", "comm/bytes_sent", "comm/wait_s"})
+
+
+def assert_every_round_once(scalars: dict, tags: set[str], rounds: int) -> None:
+    missing = tags - set(scalars)
+    assert not missing, f"tags never written: {sorted(missing)}"
+    for tag in tags:
+        assert [s for s, _ in scalars[tag]] == list(range(1, rounds + 1)), tag  # strictly increasing, none missing
+
+
+def run_modules(run_dir) -> list[str]:
+    from dipaco.io import read_json
+
+    return sorted(read_json(run_dir / "workers" / "rank_0.json")["modules"])
+
+
+@pytest.mark.slow
+def test_an_in_process_run_and_its_resume_continue_one_tensorboard_run_and_one_wandb_run(shards_2x2, tmp_path, monkeypatch):
+    from conftest import tiny_train_config
+    from dipaco.storage import checkpoint
+    from dipaco.training.train import train
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run = tmp_path / "run"
+    logged = ['log.to="tensorboard,wandb"', "checkpoint_every=2"]
+    train(tiny_train_config(*logged, rounds=3, inner_steps=4), shards_2x2, run, progress=False)
+    # a stop after round 3 was logged but before its checkpoint: the resumed run trains round 3 again
+    shutil.rmtree(run / "checkpoints" / "round_3")
+    (run / "checkpoints" / "latest").write_text("round_2")
+    assert checkpoint.latest_round(run) == 2
+    train(tiny_train_config(*logged, rounds=5, inner_steps=4), shards_2x2, run, resume=True, progress=False)
+
+    tags = expected_tags(PATHS, run_modules(run))
+    scalars = tensorboard_scalars(run / "tensorboard")
+    assert_every_round_once(scalars, tags, 5)
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rounds = [r for r in lines if r["kind"] == "round"]
+    assert [r["round"] for r in rounds] == [1, 2, 3, 3, 4, 5]  # metrics.jsonl has round 3 twice, the trackers once
+    assert scalars["train_loss/0-1"][1][1] == pytest.approx(rounds[1]["train_loss_by_trainee"][1])  # the same records
+    assert scalars["outer_grad_norm/L1.E0"][4][1] == pytest.approx(rounds[5]["module_norms"]["L1.E0"]["outer_grad_norm"])
+
+    runs = wandb_runs(run)
+    kept_id = json.loads((run / "trackers.json").read_text())["wandb"]["wandb_id"]
+    assert len(runs) == 2 and {r["id"] for r in runs} == {kept_id}  # two processes, one W&B run
+    steps = [row["_step"] for r in runs for row in r["history"]]
+    assert steps == [1, 2, 3, 4, 5]
+    for r in runs:
+        for row in r["history"]:
+            assert tags <= set(row), sorted(tags - set(row))
+            assert row["val_ppl/1-0"] == pytest.approx(dict(scalars["val_ppl/1-0"])[row["_step"]], rel=1e-6)
