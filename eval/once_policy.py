@@ -16,8 +16,7 @@ Every rule reads only the routing context (the first ``eval.context_tokens`` tok
 
 Why choose on the router documents and not on the validation documents: validation documents were sorted into their
 paths by this very router and sat in the sample it was fitted on, so the shard router looks better on them than on
-new documents (quickstart protocol, default corpus: the chosen prefix-loss rule is 4% worse than the shard router on
-validation documents and 7.5% better on held-out ones, ``bench/routing_quality.py``). Router documents are kept out of both training and the router's fit, as
+new documents (docs/routing.md has the figures, from ``bench/routing_quality.py``). Router documents are kept out of both training and the router's fit, as
 held-out documents are. The shard router wins ties, and wins outright below ``MIN_DOCUMENTS`` router documents.
 """
 

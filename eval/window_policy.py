@@ -30,9 +30,7 @@ on the chunk) bounds every rule.
 
 Why the router documents and not the validation documents: the validation documents were sorted into paths by the
 shard router and sit in the sample its k-means was fitted on, so every rule that leans on the shard router looks
-better there than on new text. Measured (quickstart protocol, default corpus): the shard router on the previous 32
-tokens scored 95.19 against 95.39 for staying on validation, 199.6 against 168.8 on the router documents, and 116.6
-against 104.1 on the held-out documents.
+better there than on new text (docs/routing.md has the figures).
 """
 
 from __future__ import annotations

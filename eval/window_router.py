@@ -5,10 +5,9 @@ i+1. Here the router is a multinomial logistic regression on the shard router's 
 previous W tokens (decoded) and the document's path (one-hot: the path the run's once rule gave the
 document, which chunk 0 uses; ``dipaco.eval.once_policy``), labelled with the path whose loss on the next W tokens
 is lowest, fitted on the held-aside router documents of the shards (never trained on, never the held-out documents).
-Why the document's path: on the shared corpus (quickstart protocol, 5,123 windows of 64 tokens, five
-document-level splits) a router on the window alone chose paths with a higher mean loss than staying on
-the document's path (5.047 vs 5.027 nats), while with the document's path as an input it chose lower
-(5.015; the per-window oracle: 4.969). The report keeps both (``loss_window_alone``).
+Why the document's path: the window alone is little evidence of where the text goes next, so a router on it
+alone can do worse than staying on the document's path; with the document's path as an input it learns when
+staying is best (docs/routing.md has the figures). The report keeps both (``loss_window_alone``).
 Losses are computed exactly as ``dipaco eval`` scores (same windows, the routing prefix not scored),
 at the run's latest round unless told otherwise. The router is saved with the run
 (``RUN/window_routers/w<W>/``) with ``policy.json``: the every-W rule (``dipaco.eval.window_policy``: stay on the

@@ -47,7 +47,7 @@ class PrefixInput:
 
     def first_ids(self, texts: list[str]) -> list[list[int]]:
         """``encode(text)[:tokens]`` of every text, without tokenizing whole documents (the router fit reads
-        thousands; tokenizing them whole was most of its time). A byte-level BPE tokenizer without a normalizer
+        thousands, and only their first tokens matter). A byte-level BPE tokenizer without a normalizer
         splits text into pieces by a regex that looks at most one character past a piece, then encodes each piece
         alone; so ``text[:cut_chars]`` gives the whole text's tokens for every piece but its last, which the cut may
         have shortened. A special token near the cut would move a segment boundary: such texts, texts whose first

@@ -5,7 +5,7 @@ the engine only decides where it runs: the bytes are the same on any engine and 
 
   local, 1 worker     in this process (the default for a corpus of one block: no start-up cost)
   local, N workers    a pool of N spawned processes, one block each at a time, the tokenizer on one thread in
-                      each (measured faster than one process with N tokenizer threads: bench/shard.py)
+                      each (one core per worker, rather than one process with N tokenizer threads: bench/shard.py)
   ray                 Ray tasks (``dipaco.taskqueue.ray_tasks``) on the cluster at --address, or on a local Ray; a task
                       whose worker or node is lost is retried and writes the same bytes
 """

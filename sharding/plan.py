@@ -52,8 +52,7 @@ class Block:
         return self.source + (f" ({unit} {self.start}-{self.end})" if unit and (self.start or self.end >= 0) else "")
 
     def fingerprint(self, settings: str) -> str:
-        # nbytes follows from the range and the source's identity: left out, so work committed before blocks had a
-        # size is still reused by --resume
+        # nbytes follows from the range and the source's identity, so it adds nothing to what identifies the block
         what = {k: v for k, v in asdict(self).items() if k != "nbytes"}
         return hashlib.sha256(json.dumps([what, settings], sort_keys=True).encode()).hexdigest()
 
@@ -115,8 +114,8 @@ def make_plan(specs: list[str], cfg: ShardConfig) -> list[Block]:
 
 def largest_first(blocks: list[Block]) -> list[int]:
     """The order in which the engines start the blocks: the largest first (unknown sizes before all), so the
-    small ones fill the end of a pass and no worker is left alone on a big last block while the others idle
-    (at 4x on two workers the natural order left one core idle for a whole 2 s block). The results do not depend
+    small ones fill the end of a pass and no worker is left alone on a big last block while the others idle.
+    The results do not depend
     on it: the merge takes the parts in block order."""
     return sorted(range(len(blocks)), key=lambda i: (blocks[i].nbytes >= 0, -blocks[i].nbytes, i))
 

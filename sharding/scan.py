@@ -40,7 +40,7 @@ from dipaco.sharding.sources import DocumentFilter
 
 SAMPLE_CHARS = 4096  # a sampled document keeps this many characters (tokenizer training, router fit)
 BUCKETS = 256  # digests are grouped by their first byte
-DEDUP_DOCS_PER_TASK = 4_000_000  # a dedup task holds about 75 bytes per digest of its buckets: ~300 MB
+DEDUP_DOCS_PER_TASK = 4_000_000  # bounds a dedup task's memory: it holds every digest of its buckets
 
 
 def peak_rss_mb() -> float:
@@ -87,10 +87,7 @@ class SampleBound:
         self.keys, self.written = BottomK(k, distinct), None
 
     def add(self, name: str) -> None:
-        keys = self.path.parent / "scan" / name / "sample_keys.npy"
-        if not keys.is_file():  # a part kept by --resume from a dipaco before the bound: a looser bound, same bytes
-            return
-        halves = np.load(keys)
+        halves = np.load(self.path.parent / "scan" / name / "sample_keys.npy")
         for hi, lo in halves.tolist():
             self.keys.offer((hi << 64) | lo)
         bound = self.keys.threshold()

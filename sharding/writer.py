@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 # the fit step saves the tokenizer through transformers (seconds to import): loaded with the driver, before the
-# stage starts, as it was before pass-2 workers stopped importing it (dipaco.sharding.tokenizer imports it lazily)
+# stage starts, not in the middle of it (dipaco.sharding.tokenizer imports it lazily, for pass-2 workers)
 from transformers import PreTrainedTokenizerFast  # noqa: F401
 
 import dipaco

@@ -51,15 +51,9 @@ def test_extending_a_finished_run_keeps_its_lr_schedule(shards_2x2, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_without_recorded_schedule_uses_its_first_config(shards_2x2, tmp_path):
-    """Runs made before schedule_steps was recorded: config.toml (written once, at creation) gives it."""
-    run = tmp_path / "old"
+def test_a_resume_with_other_inner_steps_is_refused(shards_2x2, tmp_path):
+    """A round's global steps and the trainees' step counters must keep lining up."""
+    run = tmp_path / "run"
     train(tiny_train_config("val_batches=0", "log_every=1", rounds=1, inner_steps=H), shards_2x2, run, progress=False)
-    info = json.loads((run / "run.json").read_text())
-    del info["schedule_steps"]
-    (run / "run.json").write_text(json.dumps(info))
-    cfg = tiny_train_config("val_batches=0", "log_every=1", rounds=2, inner_steps=H)
-    train(cfg, shards_2x2, run, resume=True, progress=False)
-    assert all(lr == lr_at(step - 1, H, cfg.inner) for (_, step), lr in _inner_lrs(run).items())
     with pytest.raises(DipacoError, match="config 'inner_steps' differs"):
         train(tiny_train_config(rounds=3, inner_steps=2 * H), shards_2x2, run, resume=True, progress=False)

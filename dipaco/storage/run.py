@@ -64,14 +64,9 @@ class RunDirectory:
         return latest
 
     def schedule_steps(self) -> int:
-        """The lr schedule's length in inner steps, fixed when the run was created (run.json; runs made before it
-        was recorded: their config.toml, which is written once, at creation). Extending a run with --resume and
-        more --rounds does not stretch the cosine: the extra steps run at the final lr."""
-        info = read_json(self.root / "run.json", "run description")
-        if "schedule_steps" in info:
-            return int(info["schedule_steps"])
-        first = from_dict(TrainConfig, read_toml(self.root / "config.toml"))
-        return first.rounds * first.inner_steps
+        """The lr schedule's length in inner steps, fixed when the run was created (run.json). Extending a run with
+        --resume and more --rounds does not stretch the cosine: the extra steps run at the final lr."""
+        return int(read_json(self.root / "run.json", "run description")["schedule_steps"])
 
     def create(self, grid: Grid, plan: Plan, workers: int, parameters: dict[str, int]) -> None:
         """config.toml and run.json; a metrics.jsonl left by an attempt that never wrote round 0 is dropped."""

@@ -189,7 +189,7 @@ def _replay(store: TaskStore, spec: PhaseSpec, tr, device: torch.device, cache: 
         for _ in range(spec.cfg.inner_steps):
             inner_step(tr, spec.cfg, spec.schedule_steps)
         # through bytes, as every phase got its state: re-loading the optimizer's live state dict into it trains
-        # to other bits (tests/test_sticky_replay.py fails without this)
+        # to other bits than the phases that committed it
         data = state_bytes(tr.state())
         buf = io.BytesIO(data)
         state = torch.load(buf, map_location="cpu", weights_only=True)

@@ -37,8 +37,8 @@ class RayTasks:
         if self.started:  # a local Ray kept to 127.0.0.1 without a dashboard, or the cluster at address (one place)
             connect(address, cpus, env)
         self.cpus = int(ray.cluster_resources().get("CPU", cpus))
-        # SPREAD: with the default (local node first), a pass's first tasks waited on the driver's node while
-        # the other node's worker sat idle (1.1-1.6 s of a 13 s pass 2 on two nodes; 3 of 11 scan blocks went there)
+        # SPREAD: with the default (local node first), a pass's first tasks wait on the driver's node while the
+        # other nodes' workers sit idle (docs/sharding.md)
         self.remote = ray.remote(num_cpus=1, max_retries=max_retries, retry_exceptions=False,
                                  scheduling_strategy="SPREAD")(_call)
         self.preload = tuple(preload)

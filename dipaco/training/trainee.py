@@ -64,7 +64,7 @@ def make_trainee(index, path, sources, grid, shards, cfg: TrainConfig, device=to
     decay = [p for p in model.params.values() if p.dim() >= 2]
     no_decay = [p for p in model.params.values() if p.dim() < 2]
     # foreach: the multi-tensor AdamW (torch's default on CUDA; on CPU it does the same per-tensor arithmetic in
-    # the same order, so the weights are bit-identical to the single-tensor loop, and a step takes ~40% less time)
+    # the same order, so the weights are bit-identical to the single-tensor loop, with fewer kernel launches)
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.inner.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2), foreach=True)

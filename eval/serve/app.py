@@ -222,7 +222,7 @@ class Server:
     async def _answer(self, request, body: dict, endpoint: str, path: str, how: str):
         if self.upstreams.serves(path):
             return await self.upstreams.forward(body, endpoint, path, how)
-        # a prompt of this request routed to a path served here (asking an upstream for it was a KeyError and a 500)
+        # a prompt of this request routed to a path served here, not by an upstream: answered by this server
         r = await self.completions(_Rebodied(request, dict(body, model=f"{self.engine.name}/{path}")))
         out = json.loads(r.body or b"{}")
         for c in out.get("choices", []):
