@@ -72,7 +72,7 @@ def test_a_finished_round_is_logged_once_with_its_phases_and_steps(tmp_path):
     rounds.complete()
     assert rounds.next_round == 3 and not rounds.done()  # round 3 is not trained yet
     *inner, line = lines(tmp_path)
-    assert [(x["trainee"], x["step"]) for x in inner] == [(i, H + k + 1) for i in range(3) for k in range(H)]
+    assert [(x["step"], x["trainee"]) for x in inner] == [(H + k + 1, i) for k in range(H) for i in range(3)]
     assert line["kind"] == "round" and line["round"] == 2 and line["engine"] == "ray" and line["workers"] == 5
     assert line["train_loss_by_trainee"] == [3.0, 4.0, 5.0, None] and line["train_loss"] == 4.0
     assert line["val_loss"] == {p: 2.0 + i for i, p in enumerate(PATHS)} and line["val_loss_mean"] == 3.5

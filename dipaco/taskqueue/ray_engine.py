@@ -1,15 +1,18 @@
-"""``dipaco train --engine ray``: DiPaCo's task queue on Ray (with ``dipaco.taskqueue.ray_cluster``, one of the two files that
-import ray).
+"""``dipaco train --engine ray``: DiPaCo's task queue on Ray (with ``dipaco.taskqueue.ray_cluster`` and ``ray_tasks``, one
+of the files that import ray).
 
 The paper trains through a queue of inner phases on shared storage: any free worker takes the next phase, outer
 executors average a module as soon as its paths' phases are in, and workers come and go. Here:
 
   phase (trainee i, version v)   a Ray task (``dipaco.taskqueue.phases.run_phase``, retried without limit, with a backoff, when its
-                                 worker or node is lost): H inner steps from version v of its path's modules
+                                 worker or node is lost): round v+1's H inner steps from version v of its path's modules
   outer step (group g, v -> v+1) a method call on a restartable executor actor (``dipaco.taskqueue.phases.outer_step``), made
                                  as soon as every phase (i, v) of g's trainees is committed
-  the driver (``TaskQueue``)     launches what is ready, assembles every finished round into the sync engine's
-                                 checkpoint format, writes metrics.jsonl; it holds nothing the run directory does not
+  the driver (``TaskQueue``)     a loop that launches what the scheduler (``dipaco.taskqueue.schedule``) finds ready,
+                                 records what comes back from its commit record (``dipaco.taskqueue.resolver``) and
+                                 hands every finished round to the round assembler (``dipaco.taskqueue.rounds``:
+                                 metrics.jsonl, checkpoints in the local engine's format); it holds nothing the run
+                                 directory does not
 
 No barrier between rounds: phase (i, v+1) starts when *its* modules have version v+1, while other paths may still be
 training round v. The run directory (``dipaco.taskqueue.taskstore``) is the source of truth and must be visible to every node;
@@ -97,6 +100,7 @@ def _train(cfg: TrainConfig, shards_dir, location: str, local: Path, resume: boo
     storage = Storage(location)
     directory = RunDirectory(local, cfg, shards)
     start = directory.check(resume)  # bad input is refused before any Ray process starts
+    skeleton = skeleton_model(cfg, grid, plan.paths[0], shards)  # shapes and names only: built once
     if cfg.init_from:
         check_dense_source(cfg.init_from, shards)
     # tasks see the driver's object-store settings (an endpoint, credentials where the nodes have none of their own)
@@ -105,24 +109,14 @@ def _train(cfg: TrainConfig, shards_dir, location: str, local: Path, resume: boo
         connect(cfg.ray.address, workers, env)  # before the lease: a command that cannot join writes nothing
         signal.signal(signal.SIGTERM, _interrupt)  # after Ray's own handler (a native stack dump): one dipaco line
         with Lease(location):
-            cpus = int(ray.cluster_resources().get("CPU", 0))
+            cpus = _cluster_cpus()
             # where phases train: --device cuda on a cluster without a GPU stops here, in one line
             device = phase_device(cfg.device, ray.cluster_resources().get("GPU", 0), cfg.ray.gpus_per_phase)
-            skeleton = skeleton_model(cfg, grid, plan.paths[0], shards)  # shapes and names only: built once
             if start == 0:
                 begin_run(cfg, shards, grid, plan, directory, storage, cpus, skeleton)
             else:
                 checkpoint.remove_partial_rounds(local)
-            meta = json.loads((checkpoint.round_dir(local, start) / "state" / "meta.json").read_text())
-            lineage = choose_lineage(storage, start, config_digest(cfg, directory.schedule_steps()), meta, _say)
-            store = TaskStore(location, lineage)
-            store.forget_before(start)
-            state = StateResolver.scan(store, plan, grid, start, cfg.rounds, local, cfg.val_batches > 0, _say)
-            specs = TaskSpecs(state, cfg, shards_dir, directory.schedule_steps(), module_layout(grid, plan.paths, skeleton),
-                              device)
-            title = f"train {store.run if storage.remote else local.name} (ray)"
-            assembler = RoundAssembler(state, cfg, local, _cluster_cpus, title, progress)
-            stats = TaskQueue(cfg, state, specs, assembler, device).run()
+            stats = _open_queue(cfg, shards_dir, plan, grid, directory, location, start, device, progress, skeleton).run()
     finally:
         try:
             disconnect()
@@ -130,6 +124,22 @@ def _train(cfg: TrainConfig, shards_dir, location: str, local: Path, resume: boo
             _restore_stderr()
     return {"run": location, "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(plan.trainees),
             "workers": cpus, "engine": "ray", "device": device, **stats}
+
+
+def _open_queue(cfg: TrainConfig, shards_dir, plan, grid, directory: RunDirectory, location: str, start: int,
+                device: str, progress: bool, skeleton) -> TaskQueue:
+    """The driver's queue from checkpoint ``start`` on: the queue lineage that grew from it (or a new one), what it
+    holds, and the round assembler that continues metrics.jsonl."""
+    local, storage = directory.root, Storage(location)
+    meta = json.loads((checkpoint.round_dir(local, start) / "state" / "meta.json").read_text())
+    lineage = choose_lineage(storage, start, config_digest(cfg, directory.schedule_steps()), meta, _say)
+    store = TaskStore(location, lineage)
+    store.forget_before(start)
+    state = StateResolver.scan(store, plan, grid, start, cfg.rounds, local, cfg.val_batches > 0, _say)
+    specs = TaskSpecs(state, cfg, shards_dir, directory.schedule_steps(), module_layout(grid, plan.paths, skeleton),
+                      device)
+    title = f"train {store.run if storage.remote else local.name} (ray)"
+    return TaskQueue(cfg, state, specs, RoundAssembler(state, cfg, local, _cluster_cpus, title, progress), device)
 
 
 _stderr_while_interrupted: int | None = None  # the real stderr, set aside from SIGTERM until Ray has shut down

@@ -1,5 +1,6 @@
-"""The Ray driver's round assembler: every finished round, in order, becomes its line in metrics.jsonl and (on
-checkpoint rounds) the checkpoint every engine reads; no Ray.
+"""The Ray driver's round assembler: every finished round, in order, becomes its lines in metrics.jsonl (through
+the round log every engine writes with, ``dipaco.training.round_log``) and, on checkpoint rounds, the checkpoint
+every engine reads; no Ray.
 
 A round is finished when every phase of it is settled (committed or dropped by a quorum), every group's outer step
 of it is committed and every path's validation after it is known (``dipaco.taskqueue.resolver``). Its line is
@@ -13,12 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
-from dipaco.io import log
 from dipaco.taskqueue.resolver import StateResolver
 from dipaco.taskqueue.runstore import assemble, push
-from dipaco.training.engine_steps import round_line
+from dipaco.training.round_log import RoundLog, phase_tokens
 
 PHASE_FIELDS = ("trainee", "path", "node", "host", "pid", "load_s", "val_s", "compute_s", "save_s", "bytes_sent",
                 "bytes_loaded")
@@ -35,21 +33,19 @@ class RoundAssembler:
         self.state, self.cfg, self.local = state, cfg, local
         self.workers = workers  # the cluster's CPUs when a round is logged (machines come and go)
         self.next_round = state.start + 1
-        self.metrics = open(local / "metrics.jsonl", "a", encoding="utf-8")
         self.counts = {"retried": 0, "dropped": 0, "storage_read": 0, "storage_written": 0}
         total = (cfg.rounds - state.start) * state.num_trainees * cfg.inner_steps
-        self.bar = tqdm(total=total, desc=desc, unit="step", disable=not progress, dynamic_ncols=True, mininterval=1.0)
-        self.bar.update(len(state.ledger.done) * cfg.inner_steps)  # phases a resumed driver found committed
+        # phases a resumed driver found committed count as done
+        self.log = RoundLog(local, total, desc, progress, done_steps=len(state.ledger.done) * cfg.inner_steps)
 
     def advance(self, steps: int) -> None:
-        self.bar.update(steps)
+        self.log.advance(steps)
 
     def done(self) -> bool:
         return self.next_round > self.cfg.rounds
 
     def close(self) -> None:
-        self.bar.close()
-        self.metrics.close()
+        self.log.close()
 
     def complete(self) -> None:
         """Log (and checkpoint) every finished round, in order, then forget what no task can read any more."""
@@ -59,9 +55,8 @@ class RoundAssembler:
             if val is None:
                 return
             if r not in self.state.ledger.logged:
-                losses = self.log_round(r, val)
+                self.log_round(r, val)
                 push(self.local, self.state.store.storage, ["metrics.jsonl"])  # a run in a bucket: its metrics there
-                self.bar.set_postfix(round=r, loss=f"{sum(losses) / max(1, len(losses)):.3f}")
             if r % self.cfg.checkpoint_every == 0 or r == self.cfg.rounds:
                 self.checkpoint(r)
             self.next_round += 1
@@ -78,36 +73,33 @@ class RoundAssembler:
         s.store.forget_before(previous)  # tasks still running read versions >= the previous checkpoint
 
     # ------------------------------------------------------------------------------------------- the round log
-    def log_round(self, r: int, val: dict[str, float]) -> list[float]:
-        """Round r's line in metrics.jsonl (and its phases' inner-step lines), from the commit records; adds its
-        counts to ``counts``; returns the trainees' losses."""
-        phases, by_trainee = self.phase_rows(r)
-        losses = [x for x in by_trainee if x is not None]
+    def log_round(self, r: int, val: dict[str, float]) -> dict:
+        """Round r's lines in metrics.jsonl (its phases' inner-step lines, then the round's), from the commit
+        records; adds its counts to ``counts``; returns the round line."""
+        phases, by_trainee, inner = self.phase_rows(r)
         steps = [self.state.ledger.steps[(g, r)]["record"] for g in self.state.groups.modules]
         io = {k: sum(row.get(k, 0) for row in phases + steps) for k in ("storage_read", "storage_written")}
         for k, n in io.items():  # the summary line: what this command's rounds read and wrote
             self.counts[k] += n
         self.counts["retried"] += sum(1 for p in phases if not p.get("dropped") and p["attempts"] > 1)
-        tokens = len(losses) * self.cfg.inner_steps * self.cfg.inner.batch_size * self.cfg.model.max_seq_len
         finished = self.state.ledger.finished_at
         # from the previous round's last outer step to this one's (phases of both rounds may overlap in between)
         seconds = finished[r] - finished.get(r - 1, finished[self.state.start])
-        log(self.metrics, **round_line(
-            r, by_trainee, val, seconds, tokens, workers=self.workers(),
-            bytes_sent=sum(p.get("bytes_sent", 0) for p in phases), bytes_received=sum(s["bytes_received"] for s in steps),
-            engine="ray", bytes_loaded=sum(p.get("bytes_loaded", 0) for p in phases),
+        return self.log.round(
+            r, by_trainee, val, seconds=seconds, tokens=sum(x is not None for x in by_trainee) * phase_tokens(self.cfg),
+            workers=self.workers(), bytes_sent=sum(p.get("bytes_sent", 0) for p in phases),
+            bytes_received=sum(s["bytes_received"] for s in steps), inner=inner, engine="ray",
+            bytes_loaded=sum(p.get("bytes_loaded", 0) for p in phases),
             storage_read=io["storage_read"], storage_written=io["storage_written"],
             compute_s=mean_of(phases, "compute_s"), load_s=mean_of(phases, "load_s"), save_s=mean_of(phases, "save_s"),
             dropped=[p["trainee"] for p in phases if p.get("dropped")],
             retried=[p["trainee"] for p in phases if p["attempts"] > 1],
-            phases=phases, steps=[{k: s[k] for k in STEP_FIELDS} for s in steps]))
-        self.metrics.flush()
-        return losses
+            phases=phases, steps=[{k: s[k] for k in STEP_FIELDS} for s in steps])
 
-    def phase_rows(self, r: int) -> tuple[list[dict], list[float | None]]:
-        """Round r's phases as its line lists them, and each trainee's loss (None for a dropped phase); writes the
-        committed phases' inner-step lines."""
-        s, phases, by_trainee = self.state, [], []
+    def phase_rows(self, r: int) -> tuple[list[dict], list[float | None], list[dict]]:
+        """Round r's phases as its line lists them, each trainee's loss (None for a dropped phase) and the committed
+        phases' inner-step records."""
+        s, phases, by_trainee, inner = self.state, [], [], []
         for i in range(s.num_trainees):
             tries = s.store.attempts(r - 1, i)
             if (i, r - 1) in s.ledger.dropped:
@@ -116,12 +108,11 @@ class RoundAssembler:
                 by_trainee.append(None)
                 continue
             info = s.ledger.phases[(i, r - 1)]["record"]
-            for rec in info["inner"]:
-                log(self.metrics, **rec)
+            inner += info["inner"]
             by_trainee.append(info["train_loss"])
             phases.append({k: info[k] for k in PHASE_FIELDS} | {"attempts": len(tries)}
                           | {k: info.get(k, 0) for k in PHASE_COUNTERS})
-        return phases, by_trainee
+        return phases, by_trainee, inner
 
 
 def mean_of(rows: list[dict], key: str) -> float | None:
