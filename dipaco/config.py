@@ -266,8 +266,8 @@ class TrainConfig:
     at the same thread count; a different count may change the last bits (another summation order in a kernel)."""
     device: Literal["auto", "cpu", "cuda"] = flag("auto")
     """Device: 'auto' (cuda when available), 'cpu' or 'cuda' (bf16 autocast, fp32 master weights and outer state)."""
-    engine: Literal["sync", "ray"] = flag("sync")
-    """'sync': one synchronous job (every trainee in this process, or torchrun workers: --workers, torchrun); 'ray':
+    engine: Literal["local", "ray"] = flag("local", renamed={"sync": "local"})
+    """'local': one synchronous job (every trainee in this process, or torchrun workers: --workers, torchrun); 'ray':
     a task queue on Ray (pip install -e '.[ray]'): one task per trainee and round, each module's outer step as soon
     as its phases are in, workers that may come and go (the [ray] section)."""
     init_from: str = flag("", metavar="RUN_OR_DIR")
@@ -301,8 +301,8 @@ class TrainConfig:
         validate_streaming(self.inner_steps, s.fragments, s.overlap, self.model.num_layers)
         if self.engine == "ray" and (s.fragments > 1 or s.overlap > 0 or s.alpha > 0):
             raise DipacoError("config: --engine ray runs whole rounds (a phase is H inner steps, then the outer step); "
-                              "Streaming DiLoCo (streaming.fragments > 1, overlap > 0, alpha > 0) is the sync engine's: "
-                              "drop those settings or train with --engine sync")
+                              "Streaming DiLoCo (streaming.fragments > 1, overlap > 0, alpha > 0) is the local engine's: "
+                              "drop those settings or train with --engine local")
 
 
 # ---------------------------------------------------------------------------------- resolution

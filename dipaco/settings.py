@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import tomllib
 import types
 import typing
@@ -21,9 +22,10 @@ class SettingError(ValueError):
     """A key or value that does not fit the declared sections (config.py re-raises it as a DipacoError)."""
 
 
-def flag(default, name: str = "", *, metavar: str | None = None):
-    """A field that is also a command-line flag (flags.py makes it): ``name``, default ``--<field name with dashes>``."""
-    meta = {"flag": name or True, "metavar": metavar}
+def flag(default, name: str = "", *, metavar: str | None = None, renamed: dict[str, str] | None = None):
+    """A field that is also a command-line flag (flags.py makes it): ``name``, default ``--<field name with dashes>``;
+    ``renamed``: {old value: its new name}, old values a user may still write (each taken with a one-line warning)."""
+    meta = {"flag": name or True, "metavar": metavar, "renamed": dict(renamed or {})}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -86,10 +88,27 @@ def coerce(value, tp, key: str):
 
 
 # ------------------------------------------------------------------------- dicts and overrides
+_warned: set[str] = set()
+
+
+def current_name(f: dataclasses.Field, value):
+    """``value`` under its current name: a renamed value of ``f`` is replaced, with a warning once per process
+    (configs and scripts written with the old name keep working while they are updated)."""
+    new = f.metadata.get("renamed", {}).get(value) if isinstance(value, str) else None
+    if new is None:
+        return value
+    name = f.metadata["flag"] if isinstance(f.metadata.get("flag"), str) else "--" + f.name.replace("_", "-")
+    warning = f"dipaco: warning: {name} {value} is now called {new}"
+    if warning not in _warned:
+        _warned.add(warning)
+        print(warning, file=sys.stderr)
+    return new
+
+
 def apply_dict(obj, values: dict, prefix: str = "") -> None:
     """Set fields of dataclass ``obj`` from a nested dict; unknown keys are errors."""
     hints = typing.get_type_hints(type(obj))
-    fields = {f.name for f in dataclasses.fields(obj)}
+    fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in values.items():
         full = f"{prefix}{key}"
         if key not in fields:
@@ -100,7 +119,7 @@ def apply_dict(obj, values: dict, prefix: str = "") -> None:
                 raise SettingError(f"config: '{full}' is a section; write it as [{full}] with keys")
             apply_dict(current, value, f"{full}.")
         else:
-            setattr(obj, key, coerce(value, hints[key], full))
+            setattr(obj, key, coerce(current_name(fields[key], value), hints[key], full))
 
 
 def nest(flat: dict) -> dict:

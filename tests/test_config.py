@@ -120,8 +120,9 @@ def test_each_flag_is_its_field_once(command):
         if default not in (None, "", []) and not isinstance(default, bool):
             assert a.help.count(f"default: {default}") == 1, (key, a.help)
         inner, _ = optional_of(tp)
-        if typing.get_origin(inner) is typing.Literal:
-            assert a.choices == list(typing.get_args(inner))
+        if typing.get_origin(inner) is typing.Literal:  # and the old names it still takes, not shown in --help
+            assert a.choices == list(typing.get_args(inner)) + list(f.metadata["renamed"])
+            assert a.metavar == "{" + ",".join(map(str, typing.get_args(inner))) + "}"
         else:
             assert a.choices is None
 
@@ -205,6 +206,30 @@ def test_flags_land_on_their_keys():
     assert flags_of(args) == {"oracle": False, "route_every": [64, 128]}
     args = build_parser().parse_args(["shard", "--data", "d", "--out", "o", "--no-spherical", "--features", "lm"])
     assert flags_of(args) == {"routing.spherical": False, "routing.features": "lm"}
+
+
+def test_train_and_shard_name_their_engines_alike():
+    engines = {command: next(a for a in _subparser(command)._actions if a.option_strings == ["--engine"])
+               for command in ("train", "shard")}
+    assert engines["shard"].choices == ["local", "ray"] and engines["shard"].default == "local"
+    assert engines["train"].choices[:2] == ["local", "ray"] and TrainConfig().engine == "local"
+    assert engines["train"].metavar == "{local,ray}"  # what --help offers: the old name is taken, not shown
+
+
+@pytest.mark.parametrize("where", ["flag", "set", "file"])
+def test_engine_sync_is_taken_as_local_with_one_warning(where, tmp_path, capsys, monkeypatch):
+    from dipaco import settings
+
+    monkeypatch.setattr(settings, "_warned", set())
+    (tmp_path / "c.toml").write_text('engine = "sync"\n')
+    argv = {"flag": ["--engine", "sync"], "set": ["--set", "engine=sync"], "file": ["--config", str(tmp_path / "c.toml")]}
+    args = build_parser().parse_args(["train", "--shards", "s", "--out", "o", *argv[where]])
+    cfg = resolve(TrainConfig, args.config, args.overrides, flags_of(args))
+    resolve(TrainConfig, args.config, args.overrides, flags_of(args))  # once per process, however often it is read
+    assert cfg.engine == "local"
+    assert capsys.readouterr().err == "dipaco: warning: --engine sync is now called local\n"
+    with pytest.raises(DipacoError, match="'engine' must be 'local' or 'ray', got 'synch'"):
+        resolve(TrainConfig, overrides=["engine=synch"])
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -16,7 +16,7 @@ from dipaco.errors import DipacoError
 from dipaco.storage import checkpoint
 from dipaco.storage.run import Run
 from dipaco.training.comm import LocalWorld, analytic_bytes, make_world
-from dipaco.training.launch import free_port, torchrun_command
+from dipaco.training.launch import free_port, rank_argv, torchrun_command
 from dipaco.training.plan import assign
 from dipaco.training.quant import payload_bytes
 from dipaco.training.train import train
@@ -26,6 +26,12 @@ from conftest import TINY_TRAIN, tiny_train_config
 ROUNDS, H = 2, 4
 STREAM_ROUNDS = 4  # the streaming runs are long enough to kill one mid-run (test_torchrun_restart_...)
 STREAMING = ["streaming.fragments=2", "streaming.overlap=1", "streaming.alpha=0.5"]
+
+
+def test_each_rank_runs_the_command_without_the_launchers_flags():
+    argv = ["train", "--workers", "2", "--shards", "s", "--max-restarts=3", "--out", "o", "--set", "rounds=2", "--quiet"]
+    assert rank_argv(argv) == ["train", "--shards", "s", "--out", "o", "--set", "rounds=2", "--quiet"]
+    assert rank_argv(["train", "--max-restarts", "1", "--workers=4", "--out", "o"]) == ["train", "--out", "o"]
 
 
 def _worker_args(shards, out, workers, rounds, *sets):

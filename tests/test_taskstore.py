@@ -1,5 +1,5 @@
 """The Ray engine's parts that need no Ray (fast tier): the task store's commits and state lineage, the outer step as
-an executor computes it (against the sync engine's reduction), and the refusals of `--engine ray`."""
+an executor computes it (against the local engine's reduction), and the refusals of `--engine ray`."""
 
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def test_renormalised_weights_share_the_whole_weight():
 
 def test_streaming_settings_are_refused_with_the_ray_engine():
     for extra in ("streaming.fragments=2", "streaming.overlap=1", "streaming.alpha=0.5"):
-        with pytest.raises(DipacoError, match="Streaming DiLoCo .* is the sync engine's"):
+        with pytest.raises(DipacoError, match="Streaming DiLoCo .* is the local engine's"):
             resolve(TrainConfig, overrides=['engine="ray"', extra], flags={"inner_steps": 10})
     with pytest.raises(DipacoError, match="grace"):
         resolve(TrainConfig, overrides=["ray.grace=-1"])

@@ -132,7 +132,7 @@ def cmd_train(args) -> None:
         from dipaco.training.launch import launch_local
 
         preflight(cfg, args.shards, args.out, args.resume, args.workers)  # bad input: exit code 2, no worker started
-        return launch_local(args.workers, _without_workers(args.argv), args.max_restarts)
+        return launch_local(args.workers, args.argv, args.max_restarts)
     summary = train(cfg, args.shards, args.out, resume=args.resume, progress=not args.quiet)
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(summary))
@@ -170,18 +170,6 @@ def _train_on_ray(cfg, args) -> None:
         raise DipacoError("--engine ray needs Ray; install it with pip install -e '.[ray]' (or pip install 'ray>=2.40')") from None
     summary = train_ray(cfg, args.shards, args.out, resume=args.resume, progress=not args.quiet, workers=args.workers)
     print(json.dumps(summary))
-
-
-def _without_workers(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in ("--workers", "--max-restarts"):
-            skip = True
-        elif not a.startswith(("--workers=", "--max-restarts=")):
-            out.append(a)
-    return out
 
 
 def cmd_eval(args) -> None:

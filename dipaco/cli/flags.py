@@ -92,13 +92,14 @@ def add_flags(parser: argparse.ArgumentParser, cls, only: tuple[str, ...] = (), 
         if tp is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(tp) is typing.Literal:
-            kw["choices"] = list(typing.get_args(tp))
-            kw["type"] = type(kw["choices"][0])
+            current = list(typing.get_args(tp))
+            kw["choices"], kw["type"] = current + list(f.metadata.get("renamed", {})), type(current[0])
+            kw["metavar"] = "{" + ",".join(map(str, current)) + "}"  # the old names are accepted, not offered
         elif typing.get_origin(tp) is list:
             kw["action"], kw["type"] = "append", typing.get_args(tp)[0]
         else:
             kw["type"] = tp
-        if "choices" not in kw and tp is not bool:
+        if "metavar" not in kw and tp is not bool:
             kw["metavar"] = f.metadata.get("metavar") or flag_name(f)[2:].upper().replace("-", "_")
         parser.add_argument(flag_name(f), **kw)
 

@@ -11,7 +11,7 @@ from dipaco.training.trainee import make_trainee
 
 
 def begin_run(cfg, shards, grid, plan, directory: RunDirectory, storage: Storage, cpus: int, skeleton) -> None:
-    """A new run: config.toml, run.json and round 0 (the initial modules and fresh trainee states), as the sync
+    """A new run: config.toml, run.json and round 0 (the initial modules and fresh trainee states), as the local
     engine writes them (then uploaded, for a run in a bucket); the trainees are built on ``skeleton``, the model on
     the meta device (no weights: only their optimizer and data state)."""
     modules, parameters = initial_modules(cfg, grid, shards, plan.paths[0])

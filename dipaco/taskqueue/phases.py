@@ -7,7 +7,7 @@ output with a commit record that only the first attempt creates.
                    write every module's outer gradient ``Δ_i = θ_global − θ_i`` as it travels (fp32, or the
                    comm.bits payload ``Q_up(Δ_i)``) and the new trainee state (to the node cache with sticky
                    trainees; to storage unless ``durable_state`` says it may stay there alone until a checkpoint)
-  ``outer_step``   a group of modules, version v -> v+1: the payloads of its phases, reduced exactly as the sync
+  ``outer_step``   a group of modules, version v -> v+1: the payloads of its phases, reduced exactly as the local
                    engine reduces them (``dipaco.training.comm.reduce_arrived``: weighted sum in trainee order, then
                    ``Q_down``), optional √P rescaling, the outer Nesterov step (``dipaco.training.outer.OuterOptimizer``)
   ``validate``     the validation loss of one path at one version, for rounds no phase validated (the last one)

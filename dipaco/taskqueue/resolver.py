@@ -115,7 +115,7 @@ class StateResolver:
             loss = None
         record = self.ledger.phases[(i, v)]["record"] if (i, v) in self.ledger.done else None
         if loss is None and record is not None and record["val_loss"] is None and record.get("validated", True):
-            self.ledger.val_loss[(p, v)] = None  # its validation file is too short for one window, as in the sync engine
+            self.ledger.val_loss[(p, v)] = None  # its validation file is too short for one window, as in the local engine
         elif loss is None:
             if record is not None:
                 self.awaiting.add((p, v))

@@ -1,4 +1,4 @@
-"""Training: the in-process and torchrun engine (``--engine sync``), and the steps every engine shares.
+"""Training: the in-process and torchrun engine (``--engine local``), and the steps every engine shares.
 
   ``train.py``         the round loop: H inner steps of every trainee, then the outer sync, validation, checkpoint
   ``trainee.py``       one trainee (path replica, AdamW, data) and its inner step, shared by both engines
