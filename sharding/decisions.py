@@ -127,11 +127,6 @@ class Roles:
     def is_val(self, val_key: int) -> bool:
         return val_key < self._bounds[2]
 
-    def in_sample(self, role_key: int) -> bool:
-        """Training documents by their key alone enter the fit sample (a candidate past a cap does not:
-        whether it trains is only known once every block is scanned; the sample is only a sample)."""
-        return self.candidate(role_key) == TRAIN
-
     def fit(self, heldout: BottomK, router: BottomK) -> "Roles":
         """The caps' thresholds from the bottom-k (k = cap) of the held-out and router candidates' role keys."""
         self.heldout_limit, self.router_limit = heldout.threshold(), router.threshold()

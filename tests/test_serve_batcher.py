@@ -258,7 +258,7 @@ def test_rows_never_run_on_a_path_evicted_before_its_pin():
     batcher.stop()
     assert cache.raced and events[0][-1] == ("done", "length")
     # every token came from a model whose modules the budget counts (it was loaded again), not from evicted tensors
-    assert cache.source.loads.count("x0") == 2 and cache.is_resident("a") and not cache.pins
+    assert cache.source.loads.count("x0") == 2 and "a" in cache.models and not cache.pins
 
 
 def test_a_failure_outside_the_forward_pass_fails_its_rows_and_the_batcher_lives(monkeypatch):

@@ -122,10 +122,6 @@ class ModuleCache:
                     seen[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
             return sum(seen.values())
 
-    def is_resident(self, path: str) -> bool:
-        with self.lock:
-            return path in self.models
-
     def pin(self, path: str, n: int = 1) -> None:
         with self.lock:
             self.pins[path] = self.pins.get(path, 0) + n
