@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
+from dipaco.config import LogConfig
 from dipaco.storage import checkpoint
 from dipaco.taskqueue.resolver import StateResolver
 from dipaco.taskqueue.rounds import RoundAssembler
@@ -21,7 +22,7 @@ H = 4
 
 def config(rounds: int, checkpoint_every: int) -> SimpleNamespace:
     return SimpleNamespace(rounds=rounds, inner_steps=H, checkpoint_every=checkpoint_every,
-                           inner=SimpleNamespace(batch_size=2), model=SimpleNamespace(max_seq_len=8))
+                           inner=SimpleNamespace(batch_size=2), model=SimpleNamespace(max_seq_len=8), log=LogConfig())
 
 
 def phase_record(i: int) -> dict:
@@ -55,7 +56,8 @@ def round_2_in_the_queue(run) -> TaskStore:
         momentum = {f"{m}/w": torch.full((2,), 0.5) for m in modules}
         objects["outer.safetensors"] = store.put(base, a, "outer.safetensors", tensors_bytes(momentum))
         store.commit(base, a, objects, {"group": g, "node": "n2", "pid": 7, "seconds": 0.1,
-                                        "contributors": [0, 1, 2], "bytes_received": 500, "storage_read": 1})
+                                        "contributors": [0, 1, 2], "bytes_received": 500, "storage_read": 1,
+                                        "module_norms": {m: {"outer_grad_norm": 1.0} for m in modules}})
     for i, p in enumerate(PATHS):
         store.write_val(2, p, 2.0 + i)
     return store
@@ -81,6 +83,7 @@ def test_a_finished_round_is_logged_once_with_its_phases_and_steps(tmp_path):
     assert line["storage_read"] == 3 * 10 + len(state.groups.modules) and line["compute_s"] == 3.0
     assert line["phases"][3] == {"trainee": 3, "path": "1-1", "dropped": True, "attempts": 1, "nodes": ["n1"]}
     assert line["phases"][1]["attempts"] == 2 and line["steps"][0]["contributors"] == [0, 1, 2]
+    assert sorted(line["module_norms"]) == sorted(GRID.modules)  # every group's outer step gives its modules' norms
     assert rounds.counts == {"retried": 1, "dropped": 0, "storage_read": line["storage_read"], "storage_written": 60}
     rounds.close()
     again = StateResolver.scan(store, PLAN, GRID, 1, 3, tmp_path, True, print)  # a driver resumed after it

@@ -17,6 +17,7 @@ from pathlib import Path
 from dipaco.taskqueue.resolver import StateResolver
 from dipaco.taskqueue.runstore import assemble, push
 from dipaco.training.round_log import RoundLog, phase_tokens
+from dipaco.training.trackers import Trackers
 
 PHASE_FIELDS = ("trainee", "path", "node", "host", "pid", "load_s", "val_s", "compute_s", "save_s", "bytes_sent",
                 "bytes_loaded")
@@ -35,8 +36,10 @@ class RoundAssembler:
         self.next_round = state.start + 1
         self.counts = {"retried": 0, "dropped": 0, "storage_read": 0, "storage_written": 0}
         total = (cfg.rounds - state.start) * state.num_trainees * cfg.inner_steps
+        self.trackers = Trackers.open(local, cfg.log)  # --log-to: the rounds' records, caught up where they lack some
         # phases a resumed driver found committed count as done
-        self.log = RoundLog(local, total, desc, progress, done_steps=len(state.ledger.done) * cfg.inner_steps)
+        self.log = RoundLog(local, total, desc, progress, done_steps=len(state.ledger.done) * cfg.inner_steps,
+                            listeners=[self.trackers] if self.trackers else [])
 
     def advance(self, steps: int) -> None:
         self.log.advance(steps)
@@ -46,6 +49,8 @@ class RoundAssembler:
 
     def close(self) -> None:
         self.log.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
     def complete(self) -> None:
         """Log (and checkpoint) every finished round, in order, then forget what no task can read any more."""
@@ -94,7 +99,8 @@ class RoundAssembler:
             compute_s=mean_of(phases, "compute_s"), load_s=mean_of(phases, "load_s"), save_s=mean_of(phases, "save_s"),
             dropped=[p["trainee"] for p in phases if p.get("dropped")],
             retried=[p["trainee"] for p in phases if p["attempts"] > 1],
-            phases=phases, steps=[{k: s[k] for k in STEP_FIELDS} for s in steps])
+            phases=phases, steps=[{k: s[k] for k in STEP_FIELDS} for s in steps],
+            module_norms={m: n for s in steps for m, n in s.get("module_norms", {}).items()})
 
     def phase_rows(self, r: int) -> tuple[list[dict], list[float | None], list[dict]]:
         """Round r's phases as its line lists them, each trainee's loss (None for a dropped phase) and the committed
