@@ -4,6 +4,10 @@ Two tiers: unit tests (pure code and fakes, well under a minute: `pytest -m "not
 marked `@pytest.mark.slow` (real shards and runs, gloo, torchrun, subprocesses, end to end). A test that asks
 for the real corpus or its shards (`corpus_file`, `shards_2x2`, `tok`, directly or through another fixture)
 is an integration test by definition: it is marked slow here even where its file forgot to.
+
+The README's command runs the unit tier first, then the integration tier on two xdist workers (`-n 2 --dist
+loadgroup`): the session's corpus and shards are built once for both workers, and every test of the session's Ray
+cluster or S3 server runs on one worker (one `xdist_group`), so one cluster and one server serve them all.
 """
 
 from __future__ import annotations
@@ -28,12 +32,33 @@ TINY_TRAIN = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_h
 
 
 _REAL_DATA = {"corpus_file", "shards_2x2", "tok"}
+_ONE_CLUSTER = {"ray_cluster", "s3_server"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects and before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if _REAL_DATA & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("slow") is None:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if _REAL_DATA & fixtures and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+        if _ONE_CLUSTER & fixtures:
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """``build(path)`` run once per test run: xdist's workers share the run's base folder, so the first to ask
+    builds under a lock and the others read what it wrote (a session fixture alone would build once per worker)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    path, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            build(path)
+            done.touch()
+    return path
 
 
 def pytest_addoption(parser):
@@ -49,12 +74,13 @@ def tiny_train_config(*extra: str, rounds: int = 2, inner_steps: int = 10) -> Tr
 def corpus_file(tmp_path_factory) -> Path:
     from dipaco.sharding.sources import default_corpus_documents
 
-    docs = default_corpus_documents(budget_per_kind=150_000, chunk=3000)
-    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
-    with open(path, "w", encoding="utf-8") as f:
-        for d in docs:
-            f.write(json.dumps({"text": d.text, "domain": d.label}) + "\n")
-    return path
+    def write(folder: Path) -> None:
+        folder.mkdir()
+        with open(folder / "corpus.jsonl", "w", encoding="utf-8") as f:
+            for d in default_corpus_documents(budget_per_kind=150_000, chunk=3000):
+                f.write(json.dumps({"text": d.text, "domain": d.label}) + "\n")
+
+    return built_once(tmp_path_factory, "corpus", write) / "corpus.jsonl"
 
 
 def shard_config(grid: str = "2x2", *extra: str) -> ShardConfig:
@@ -66,9 +92,8 @@ def shard_config(grid: str = "2x2", *extra: str) -> ShardConfig:
 def shards_2x2(corpus_file, tmp_path_factory) -> Path:
     from dipaco.sharding.writer import shard
 
-    out = tmp_path_factory.mktemp("shards") / "s2x2"
-    shard([str(corpus_file)], shard_config("2x2"), out, progress=False)
-    return out
+    return built_once(tmp_path_factory, "shards_2x2",
+                      lambda out: shard([str(corpus_file)], shard_config("2x2"), out, progress=False))
 
 
 @pytest.fixture(scope="session")
