@@ -74,14 +74,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--H", type=int, default=25)
     p.add_argument("--out", default=str(HERE.parent / "docs" / "tracker_scalars.png"))
+    p.add_argument("--title", help="the picture's title (default: the training command, or the run's path)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         run, cmd = (Path(args.run), None) if args.run else train(Path(tmp), args.rounds, args.H)
         values = scalars(run)
-        title = " ".join(cmd) if cmd else str(run)
-        draw(values, Path(args.out), title.replace(tmp, "") if cmd else title)
+        title = args.title or (" ".join(cmd).replace(tmp + "/", "") if cmd else str(run))
+        draw(values, Path(args.out), title)
         last = {tag: series[-1][1] for tag, series in values.items()}
-    summary = {"command": cmd, "rounds": max(s for series in values.values() for s, _ in series), "tags": len(values),
+    summary = {"command": cmd, "title": title, "rounds": max(s for series in values.values() for s, _ in series), "tags": len(values),
                "last_round": last}
     (HERE / "tracker_picture.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"{len(values)} scalar tags over {summary['rounds']} rounds -> {args.out}")
