@@ -95,7 +95,7 @@ def val_loss(run_dir: Path, shards_dir: Path, windows_per_path: int = 16) -> flo
 
     from dipaco.storage.run import Run
     from dipaco.storage.shards import ShardSet
-    from dipaco.training.trainee import fixed_windows, next_token_loss
+    from dipaco.training.phase import fixed_windows, next_token_loss
 
     run, shards = Run(run_dir), ShardSet(shards_dir)
     losses = []

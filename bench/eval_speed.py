@@ -26,7 +26,8 @@ def main(argv=None) -> int:
     from dipaco.model.scoring import window_nll, windows_for
     from dipaco.storage.run import Run
     from dipaco.storage.shards import BatchSampler, ShardSet
-    from dipaco.training.trainee import Trainee, inner_step
+    from dipaco.training.phase import inner_step
+    from dipaco.training.trainee import Trainee
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("--run", required=True)

@@ -7,7 +7,7 @@ import pytest
 from dipaco.errors import DipacoError
 from dipaco.storage import checkpoint
 from dipaco.training.train import train
-from dipaco.training.trainee import lr_at
+from dipaco.training.phase import lr_at
 
 from conftest import tiny_train_config
 

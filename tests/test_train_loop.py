@@ -35,7 +35,7 @@ def test_round_losses_are_each_trainees_mean_and_logged_losses_become_floats():
     once per round), and the buffered 'inner' records turned from tensors into floats."""
     import math
 
-    from dipaco.training.trainee import round_losses
+    from dipaco.training.phase import round_losses
 
     H = 4
     steps = {0: [torch.tensor(v) for v in (4.0, 3.5, 3.25, 3.0)], 1: [torch.tensor(v) for v in (2.0, 2.0, 1.0, 1.0)],

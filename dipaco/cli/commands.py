@@ -104,9 +104,9 @@ def cmd_inspect(args) -> None:
         print(format_summary(summary))
 
 
-def cmd_train(args) -> None:
+def cmd_train(args) -> int | None:
+    from dipaco.cli.train_engines import engine_for
     from dipaco.taskqueue.lease import only_a_lease
-    from dipaco.training.train import train
 
     cfg = _resolve(args, C.TrainConfig)
     if args.workers is not None and args.workers < 1:  # 0 too: it is not "no workers", it is nonsense
@@ -125,51 +125,10 @@ def cmd_train(args) -> None:
                           f"{' ...' if len(found) > 3 else ''}); choose a new or empty prefix")
     if args.resume and not Storage(args.out).exists("run.json"):
         raise DipacoError(f"--resume: {args.out} holds no run (no run.json); drop --resume to start a new run there")
-    if cfg.engine == "ray":
-        return _train_on_ray(cfg, args)
-    if args.workers:
-        from dipaco.training.plan import preflight
-        from dipaco.training.launch import launch_local
-
-        preflight(cfg, args.shards, args.out, args.resume, args.workers)  # bad input: exit code 2, no worker started
-        return launch_local(args.workers, args.argv, args.max_restarts)
-    summary = train(cfg, args.shards, args.out, resume=args.resume, progress=not args.quiet)
-    if os.environ.get("RANK", "0") == "0":
-        print(json.dumps(summary))
-
-
-def _train_on_ray(cfg, args) -> None:
-    if args.max_restarts:
-        raise DipacoError("--max-restarts is torchrun's; the Ray engine retries a lost phase itself (ray.max_retries)")
-    if args.workers and cfg.ray.address:
-        raise DipacoError(f"--workers starts a local Ray; with --address {cfg.ray.address} the cluster's nodes are the "
-                          f"workers: drop one of the two")
-    if os.environ.get("WORLD_SIZE", "1") != "1":
-        raise DipacoError("--engine ray runs one driver, not one per torchrun rank; start it without torchrun")
-    if cfg.ray.address and not args.keep_going:  # before anything else: a wrong address costs one line, at once
-        from dipaco.taskqueue.ray_cluster import reachable, start_hint
-
-        if why := reachable(cfg.ray.address):
-            raise ClusterUnreachable(f"no Ray cluster answers at --address {cfg.ray.address} ({why}); "
-                                     f"{start_hint(cfg.ray.address)}")
-    if args.keep_going:
-        from dipaco.taskqueue.ray_cluster import split_address
-        from dipaco.taskqueue.supervise import supervise
-
-        if not cfg.ray.address:
-            raise DipacoError("--keep-going waits for a cluster at --address; without --address the local Ray lives and "
-                              "dies with this command: start a cluster (README: Ray clusters) and pass its --address")
-        split_address(cfg.ray.address)
-        return supervise([a for a in args.argv if a != "--keep-going"], cfg.ray.address,
-                         lambda: Storage(args.out).exists("run.json"))
-    try:
-        from dipaco.taskqueue.ray_engine import train_ray
-    except ModuleNotFoundError as exc:
-        if exc.name != "ray" and not (exc.name or "").startswith("ray."):
-            raise
-        raise DipacoError("--engine ray needs Ray; install it with pip install -e '.[ray]' (or pip install 'ray>=2.40')") from None
-    summary = train_ray(cfg, args.shards, args.out, resume=args.resume, progress=not args.quiet, workers=args.workers)
-    print(json.dumps(summary))
+    result = engine_for(cfg, args).run(cfg, args)
+    if isinstance(result, dict) and os.environ.get("RANK", "0") == "0":
+        print(json.dumps(result))
+    return result if isinstance(result, int) else None
 
 
 def cmd_eval(args) -> None:
@@ -345,7 +304,9 @@ def _add_pipeline_commands(sub) -> None:
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last complete round")
     p.add_argument("--workers", type=int, help="launch a local torchrun with this many worker processes (127.0.0.1); "
-                   "with --engine ray: the CPUs of the local Ray it starts (default: one per core)")
+                   "without it the local engine trains in this process and runs the trainees' phases side by side in "
+                   "one worker process per core (at most one per trainee: the same bits as one process); with "
+                   "--engine ray: the CPUs of the local Ray it starts (default: one per core)")
     p.add_argument("--max-restarts", type=int, default=0, help="with --workers: torchrun restarts after a crash "
                    "(each restart resumes from the last complete round)")
     p.add_argument("--keep-going", action="store_true", help="with --engine ray --address: survive the loss of the "

@@ -3,7 +3,8 @@ directory, local or in a bucket (``dipaco.taskqueue.taskstore``), computes with 
 output with a commit record that only the first attempt creates.
 
   ``run_phase``    trainee i, version v: load the path's modules at version v and the trainee's state, validate the
-                   path's global weights (its validator trainee), take H inner steps (``dipaco.training.trainee.inner_step``),
+                   path's global weights (its validator trainee), take H inner steps: the one phase every engine runs
+                   (``dipaco.training.phase.train_phase``),
                    write every module's outer gradient ``Δ_i = θ_global − θ_i`` as it travels (fp32, or the
                    comm.bits payload ``Q_up(Δ_i)``) and the new trainee state (to the node cache with sticky
                    trainees; to storage unless ``durable_state`` says it may stay there alone until a checkpoint)
@@ -23,23 +24,24 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from dipaco.config import TrainConfig
 from dipaco.errors import DipacoError
 from dipaco.model.grid import Grid
-from dipaco.model.path_model import llama_config, new_model
 from dipaco.storage.objects import sha256
 from dipaco.storage.shards import ShardSet
 from dipaco.taskqueue.runstore import cache_root, local_shards
 from dipaco.taskqueue.taskstore import Damaged, TaskStore, state_bytes, tensors_bytes
 from dipaco.training.comm import flatten, reduce_arrived, unflatten
 from dipaco.training.devices import deterministic
-from dipaco.training.engine_steps import inner_record, rescale_and_step
-from dipaco.training.outer import OuterOptimizer, outer_gradient
+from dipaco.training.engine_steps import rescale_and_step
+from dipaco.training.outer import OuterOptimizer
+from dipaco.training.phase import train_phase, validate, validation_windows
 from dipaco.training.quant import dequantize, quantize
-from dipaco.training.trainee import fixed_windows, inner_step, make_trainee, round_losses, validate
+from dipaco.training.trainee import make_trainee, reusable_model
 
 
 @dataclass
@@ -80,21 +82,13 @@ class StepSpec:
     paths_through: dict[str, int]
 
 
-_cache: dict = {}  # per worker process: one model to train in, the open shard sets (a phase rebuilds neither)
+_cache: dict = {}  # per worker process: the open shard sets (a phase reopens none; its model: ``reusable_model``)
 
 
 def _shards(location: str) -> ShardSet:
     if location not in _cache:
         _cache[location] = ShardSet(local_shards(location))  # a URL: copied to this machine once
     return _cache[location]
-
-
-def _model(cfg: TrainConfig, shards: ShardSet, device: torch.device):
-    config = llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)
-    key = ("model", config.to_json_string(), str(device))
-    if key not in _cache:
-        _cache[key] = new_model(config).to(device)
-    return _cache[key]
 
 
 def _on(device: torch.device, modules: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
@@ -116,7 +110,7 @@ def run_phase(spec: PhaseSpec, node: str = "") -> dict:
     if attempt > 1:  # its worker or node was lost: back off (a preempted machine's replacement may need a moment)
         time.sleep(retry_backoff(attempt))
     shards = _shards(spec.shards)
-    tr = make_trainee(i, spec.path, spec.sources, spec.grid, shards, cfg, model=_model(cfg, shards, device))
+    tr = make_trainee(i, spec.path, spec.sources, spec.grid, shards, cfg, model=reusable_model(cfg, shards, device))
     modules = _on(device, {m: store.load_tensors(r) for m, r in spec.modules.items()})
     cache = StateCache(spec.run, spec.lineage, i) if cfg.ray.sticky else None
     state, cached = cache.load(spec.state) if cache else (None, False)
@@ -128,28 +122,16 @@ def run_phase(spec: PhaseSpec, node: str = "") -> dict:
     if not spec.exact_state:
         state["step"] = v * cfg.inner_steps
     tr.load_state(state)
-    tr.model.load_modules(modules)
-    glob = {m: {n: modules[m][n] for n in names} for m, names in tr.model.module_params.items()}  # model order
     loaded = time.perf_counter()
-
-    val = _val_loss(store, shards, cfg, spec.path, spec.val_sources, v, modules, tr.model) if spec.validate else None
-    validated = time.perf_counter()
-
-    tr.model.model.train()
-    H, losses, logs = cfg.inner_steps, [], []
-    for _ in range(H):
-        loss = inner_step(tr, cfg, spec.schedule_steps)
-        losses.append(loss)
-        if (record := inner_record(cfg, tr, v + 1, loss)) is not None:
-            logs.append(record)
-    mean = round_losses({i: losses}, logs, H)[i]
+    validation = partial(_val_loss, store, shards, cfg, spec.path, spec.val_sources, v, modules) if spec.validate else None
+    result = train_phase(tr, cfg, v, spec.schedule_steps, modules, validation)
     computed = time.perf_counter()
 
     bits, block = cfg.comm.bits, cfg.comm.block_size
     base, attempt_id = store.phase_key(v, i), store.new_attempt()
     deltas = {}
-    for m, g in glob.items():
-        flat = flatten(outer_gradient(g, tr.model.module_tensors(m)))
+    for m, delta in result.deltas.items():  # model order: the flattening order
+        flat = flatten(delta)
         deltas[m] = (flat if bits == 32 else quantize(flat, bits, block)).cpu()
     sent = sum(t.numel() * t.element_size() for t in deltas.values())
     new_state = state_bytes(tr.state())
@@ -159,10 +141,11 @@ def run_phase(spec: PhaseSpec, node: str = "") -> dict:
         objects["state.pt"] = store.put(base, attempt_id, "state.pt", new_state)
     if cache:
         cache.keep(new_state, digest)
-    record = {"trainee": i, "path": spec.path, "version": v, "attempt": attempt, "train_loss": mean, "inner": logs,
-              "val_loss": val, "validated": spec.validate, "bytes_sent": sent, "bytes_loaded": sum(t.numel() * t.element_size()
-                                                                      for ts in modules.values() for t in ts.values()),
-              "load_s": loaded - began, "val_s": validated - loaded, "compute_s": computed - validated,
+    loaded_bytes = sum(t.numel() * t.element_size() for ts in modules.values() for t in ts.values())
+    record = {"trainee": i, "path": spec.path, "version": v, "attempt": attempt, "train_loss": result.loss,
+              "inner": result.inner, "val_loss": result.val, "validated": spec.validate, "bytes_sent": sent,
+              "bytes_loaded": loaded_bytes,
+              "load_s": loaded - began, "val_s": result.val_s, "compute_s": result.compute_s,
               "save_s": time.perf_counter() - computed, **where(), "node": node, **store.storage.counters(),
               "state_cached": cached, "state_sha256": digest, "replayed": replayed}
     record["committed"] = store.commit(base, attempt_id, objects, record)  # last: the first attempt to commit wins
@@ -184,10 +167,8 @@ def _replay(store: TaskStore, spec: PhaseSpec, tr, device: torch.device, cache: 
     state = store.load_state(chain["from"])
     for step in chain["rounds"]:
         tr.load_state(state)
-        tr.model.load_modules(_on(device, {m: store.load_tensors(r) for m, r in step["modules"].items()}))
-        tr.model.model.train()
-        for _ in range(spec.cfg.inner_steps):
-            inner_step(tr, spec.cfg, spec.schedule_steps)
+        modules = _on(device, {m: store.load_tensors(r) for m, r in step["modules"].items()})
+        train_phase(tr, spec.cfg, step["version"], spec.schedule_steps, modules)
         # through bytes, as every phase got its state: re-loading the optimizer's live state dict into it trains
         # to other bits than the phases that committed it
         data = state_bytes(tr.state())
@@ -253,7 +234,7 @@ def validate_path(run: str, lineage: str, shards_dir: str, cfg: TrainConfig, gri
     on = torch.device(device)
     deterministic(on)
     shards, store = _shards(shards_dir), TaskStore(run, lineage)
-    tr = make_trainee(0, path, sources, grid, shards, cfg, model=_model(cfg, shards, on))
+    tr = make_trainee(0, path, sources, grid, shards, cfg, model=reusable_model(cfg, shards, on))
     loaded = _on(on, {m: store.load_tensors(r) for m, r in modules.items()})
     return _val_loss(store, shards, cfg, path, sources, version, loaded, tr.model)
 
@@ -262,8 +243,7 @@ def _val_loss(store: TaskStore, shards: ShardSet, cfg: TrainConfig, path: str, s
               modules: dict, model) -> float | None:
     """The loss of ``path``'s global weights ``modules`` at ``version`` on its fixed validation windows (``sources``:
     the shard paths they come from, all its trainees' shards), written to the queue; None when they hold no window."""
-    windows = fixed_windows([shards.tokens(s, "val") for s in sources], cfg.val_batches * cfg.inner.batch_size,
-                            cfg.model.max_seq_len)
+    windows = validation_windows(cfg, shards, sources)
     val = validate(modules, {path: model}, {path: windows}, cfg.inner.batch_size).get(path)
     if val is not None:
         store.write_val(version, path, val)

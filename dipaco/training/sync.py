@@ -40,6 +40,14 @@ class Pending:
     handle: Handle
 
 
+def streams(cfg) -> bool:
+    """Streaming DiLoCo: fragments sync within a round, or the local weights outlive it (they may differ from the
+    global ones at a round boundary), so a round is every trainee's step t, then the syncs due after t, not phases
+    that each start from the global weights."""
+    s = cfg.streaming
+    return s.fragments > 1 or s.overlap > 0 or s.alpha > 0
+
+
 class ModuleSync:
     """``weights``: ``{module: {trainee: w_i}}`` over all of a module's trainees (``outer.module_weights``);
     ``paths_through``: how many paths use each module (the √P rescaling)."""
@@ -48,6 +56,7 @@ class ModuleSync:
                  weights: dict[str, dict[int, float]], paths_through: dict[str, int], world: World):
         s = cfg.streaming
         self.H, self.F, self.tau, self.alpha = cfg.inner_steps, s.fragments, s.overlap, s.alpha
+        self.keeps_local_weights = streams(cfg)
         self.sqrt = cfg.grid.sqrt_rescale
         self.modules, self.outer, self.world, self.paths_through = modules, outer, world, paths_through
         self.trainees = {tr.index: tr for tr in trainees}
@@ -57,11 +66,13 @@ class ModuleSync:
         self.weights = {m: {i: w for i, w in ws.items() if i in self.trainees} for m, ws in self.all_weights.items()}
         self.fragments = {m: split_fragments(list(t), cfg.model.num_layers, self.F, s.layout) for m, t in modules.items()}
         self.pending: list[Pending] = []
+        # trainee -> its phase's outer gradients per module (whole rounds): used instead of its weights here
+        self.arrived: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
 
-    @property
-    def keeps_local_weights(self) -> bool:
-        """Local weights may differ from the global ones at a round boundary."""
-        return self.F > 1 or self.tau > 0 or self.alpha > 0
+    def arrive(self, trainee: int, deltas: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Trainee ``trainee``'s outer gradients from its phase (``dipaco.training.phase.train_phase``), maybe trained in
+        another process: the round's sync uses them instead of the trainee's weights in this process."""
+        self.arrived[trainee] = deltas
 
     def after_step(self, t: int) -> None:
         """Call after global inner step t (t = 1, 2, ...)."""
@@ -79,6 +90,7 @@ class ModuleSync:
             deltas = self.outer_gradients(f)
             handle = self.world.start_reduce(deltas, {m: self.all_weights[m] for m in deltas})
             self.pending.append(Pending(f, t, t + self.tau, handle))
+            self.arrived.clear()
 
     @torch.no_grad()
     def perform(self, t: int | None) -> None:
@@ -101,8 +113,14 @@ class ModuleSync:
             if not names:
                 continue
             glob = {n: self.modules[m][n] for n in names}
-            deltas[m] = {i: outer_gradient(glob, self.trainees[i].model.module_tensors(m)) for i in sorted(contributors)}
+            deltas[m] = {i: self.outer_gradient(i, m, glob) for i in sorted(contributors)}
         return deltas
+
+    def outer_gradient(self, i: int, m: str, glob: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Trainee i's Δ_i of module m for the tensors of ``glob`` (in their order: the flattening order)."""
+        if i in self.arrived:
+            return {n: self.arrived[i][m][n] for n in glob}
+        return outer_gradient(glob, self.trainees[i].model.module_tensors(m))
 
     # ------------------------------------------------------------------------------ checkpoints
     def state(self) -> list[dict]:

@@ -1,16 +1,18 @@
 """The round loop: every trainee takes H inner AdamW steps, then every module takes one outer step.
 
     for r in rounds:
-        for t in the round's H global steps:  worker.step(t)  (one AdamW step of every trainee)
-                                              sync.after_step(t)  (dipaco.training.sync: start the module averages
-                                              due after t, apply the ones due at t)
-        validate -> log the round -> checkpoint (dipaco.storage.checkpoint.Checkpointer)
+        worker.run_round(r)   every trainee's phase (dipaco.training.phase: H inner steps from the global weights),
+                              on the runner (dipaco.training.local_workers: this process, or local worker processes
+                              side by side), then sync.after_step (dipaco.training.sync: the module averages and the
+                              outer steps); Streaming DiLoCo: every trainee's step t, then the fragment syncs due after t
+        validate -> log the round (dipaco.training.round_log) -> checkpoint (dipaco.storage.checkpoint.Checkpointer)
 
 A *trainee* (``dipaco.training.trainee``) is one path replica with its own data and its own AdamW state (kept across rounds).
 DiPaCo: one trainee per path on the path's shard. Dense baseline (grid '1'): one trainee on all
 shards pooled. DiLoCo (grid '1' + grid.replicas_per_shard): one trainee per shard, same path.
 
-Workers: with no launcher every trainee runs in this process (a world of one). Under torchrun the
+Workers: with no launcher every trainee belongs to this process (a world of one), its phases run here or in local
+worker processes (the outer step stays here: the same bits for any count). Under torchrun the
 trainees are split into contiguous runs over the ranks (``dipaco.training.plan.Plan``); a worker builds only its
 trainees and holds only the modules their paths use. The transport is ``dipaco.training.comm``; the run
 directory's lifecycle (checks, creation, resume, round 0) is ``dipaco.storage.run.RunDirectory``. The run
@@ -36,17 +38,21 @@ from dipaco.storage.run import RunDirectory, build_grid, initial_modules
 from dipaco.storage.shards import ShardSet
 from dipaco.training.comm import World, make_world
 from dipaco.training.devices import deterministic, resolve_device
-from dipaco.training.engine_steps import inner_record
+from dipaco.training.local_workers import InProcess, WorkerPool, default_workers
 from dipaco.training.outer import OuterOptimizer
+from dipaco.training.phase import Phase, validate, validation_windows
 from dipaco.training.plan import Plan
 from dipaco.training.round_log import RoundLog, phase_tokens
-from dipaco.training.sync import ModuleSync
+from dipaco.training.sync import ModuleSync, streams
 from dipaco.training.trackers import Trackers
-from dipaco.training.trainee import Trainee, fixed_windows, inner_step, make_trainee, round_losses, validate
+from dipaco.training.trainee import Trainee, make_trainee
 
 
-def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume: bool = False, progress: bool = True) -> dict:
-    """Train (or with ``resume`` continue) the run ``run_dir``: this process's share of it under torchrun."""
+def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume: bool = False, progress: bool = True,
+          workers: int | None = 1) -> dict:
+    """Train (or with ``resume`` continue) the run ``run_dir``: this process's share of it under torchrun.
+    ``workers``: local worker processes that run this process's phases side by side (None: one per core, at most one
+    per trainee; 1: every phase in this process); the modules are the same bits for any count."""
     shards, run_dir = ShardSet(shards_dir), Path(run_dir)
     grid = build_grid(cfg, cfg.grid.shape or shards.grid)
     device = resolve_device(cfg.device)
@@ -56,28 +62,34 @@ def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume:
     with closing(make_world(cfg, str(device))) as world:
         torch.manual_seed(cfg.seed)
         plan = Plan.make(cfg, grid, shards, world.size)
-        worker = Worker.build(cfg, shards, grid, plan, world, device)
-        validator = Validator(cfg, shards, grid, plan, world.rank, device)
-        checkpointer = checkpoint.Checkpointer(run_dir, world, list(plan.weights), plan.paths)
-        start, schedule = RunDirectory(run_dir, cfg, shards).begin(resume, world, grid, plan, worker, checkpointer)
-        gather = RoundGather(run_dir, cfg, world, len(plan.trainees), max(0, cfg.rounds - start) * len(worker.trainees), progress,
-                             norms=lambda: worker.outer.module_norms(worker.owned))
-        H, sync = cfg.inner_steps, worker.sync
-        for r in range(start, cfg.rounds):
-            worker.begin_round()                              # this round's losses and clock
-            for t in range(r * H + 1, (r + 1) * H + 1):
-                worker.step(t, schedule)                      # one AdamW step of every trainee
-                sync.after_step(t)                            # start the module averages due after t, apply those due at t
-                gather.log.advance(len(worker.trainees))
-            if r + 1 == cfg.rounds:
-                sync.flush()                                  # the run's last round applies what is still in flight
-            gather.round(r + 1, worker.round_report(), validator(worker.modules))
-            if (r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds:
-                checkpointer.save(r + 1, worker.part())
-        gather.close()
+        runner = phase_runner(cfg, shards_dir, grid, plan.ranks.count(world.rank), device, workers)  # starts first
+        with closing(runner):
+            worker = Worker.build(cfg, shards, grid, plan, world, device)
+            validator = Validator(cfg, shards, grid, plan, world.rank, device)
+            checkpointer = checkpoint.Checkpointer(run_dir, world, list(plan.weights), plan.paths)
+            start, schedule = RunDirectory(run_dir, cfg, shards).begin(resume, world, grid, plan, worker, checkpointer)
+            gather = RoundGather(run_dir, cfg, world, len(plan.trainees), max(0, cfg.rounds - start) * len(worker.trainees),
+                                 progress, norms=lambda: worker.outer.module_norms(worker.owned))
+            for r in range(start, cfg.rounds):
+                report = worker.run_round(r, schedule, runner, gather.log.advance)  # the phases, the module averages
+                if r + 1 == cfg.rounds:
+                    worker.sync.flush()                       # the run's last round applies what is still in flight
+                gather.round(r + 1, report, validator(worker.modules))
+                if (r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds:
+                    checkpointer.save(r + 1, worker.part())
+            gather.close()
         write_worker_report(run_dir, worker, world)
     return {"run": str(run_dir), "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(plan.trainees),
             "workers": world.size}
+
+
+def phase_runner(cfg: TrainConfig, shards_dir, grid: Grid, trainees: int, device: torch.device, workers: int | None):
+    """Where this process's ``trainees`` phases run: side by side in local worker processes where a round is its
+    trainees' phases from the global weights on the CPU, else in this process."""
+    count = default_workers(trainees) if workers is None else min(workers, trainees)
+    if count > 1 and not streams(cfg) and device.type == "cpu":
+        return WorkerPool(cfg, shards_dir, grid, count)
+    return InProcess(cfg)
 
 
 class Worker:
@@ -118,26 +130,32 @@ class Worker:
             for tr in self.trainees:  # a round starts from the global weights; AdamW state stays local
                 tr.model.load_modules(self.modules)
 
-    def begin_round(self) -> None:
-        self.began, self.compute, self.inner_logs = time.perf_counter(), 0.0, []
-        self.step_losses: dict[int, list[torch.Tensor]] = {tr.index: [] for tr in self.trainees}
-        for tr in self.trainees:
-            tr.model.model.train()
+    def run_round(self, r: int, schedule_steps: int, runner, advance) -> dict:
+        """Round r + 1 of this worker's trainees, with the module averages due in it; returns its report
+        (``RoundGather.round`` adds the time and bytes when it gathers)."""
+        began, H = time.perf_counter(), self.cfg.inner_steps
+        if self.sync.keeps_local_weights:
+            results, compute = self.lockstep(r, schedule_steps, advance)
+        else:
+            results = runner.run(self.trainees, r, schedule_steps, self.modules, advance)
+            compute = time.perf_counter() - began
+            for res in results:
+                self.sync.arrive(res.trainee, res.deltas)
+            self.sync.after_step((r + 1) * H)
+        return {"losses": {res.trainee: res.loss for res in results}, "inner": [x for res in results for x in res.inner],
+                "compute_s": compute, "began": began}
 
-    def step(self, t: int, schedule_steps: int) -> None:
-        """Global inner step t of every trainee (lr from a schedule of ``schedule_steps`` steps)."""
-        tic = time.perf_counter()
-        for tr in self.trainees:
-            loss = inner_step(tr, self.cfg, schedule_steps)
-            self.step_losses[tr.index].append(loss)
-            if record := inner_record(self.cfg, tr, (t - 1) // self.cfg.inner_steps + 1, loss):
-                self.inner_logs.append(record)
-        self.compute += time.perf_counter() - tic
-
-    def round_report(self) -> dict:
-        """This worker's report of the round so far (``RoundGather.round`` adds the time and bytes when it gathers)."""
-        losses = round_losses(self.step_losses, self.inner_logs, self.cfg.inner_steps)
-        return {"losses": losses, "inner": self.inner_logs, "compute_s": self.compute, "began": self.began}
+    def lockstep(self, r: int, schedule_steps: int, advance) -> tuple[list, float]:
+        """Streaming DiLoCo's round: every trainee's step t, then the fragment syncs due after t; (results, compute s)."""
+        phases, compute, H = [Phase(tr, self.cfg, r, schedule_steps) for tr in self.trainees], 0.0, self.cfg.inner_steps
+        for t in range(r * H + 1, (r + 1) * H + 1):
+            tic = time.perf_counter()
+            for phase in phases:
+                phase.step()
+            compute += time.perf_counter() - tic
+            self.sync.after_step(t)                           # start the module averages due after t, apply those due at t
+            advance(len(phases))
+        return [phase.finish() for phase in phases], compute
 
     def part(self) -> checkpoint.Part:
         """This worker's share of a checkpoint (waits for the reductions in flight)."""
@@ -156,8 +174,8 @@ class Validator:
         config = llama_config(cfg.model, shards.vocab_size, shards.eos_token_id)
         self.models = {p: PathModel(grid, p, config, new_model(config).to(device))
                        for p, r in plan.validator_ranks().items() if r == rank}
-        self.windows = {p: fixed_windows([shards.tokens(s, "val") for q, sources in plan.trainees if q == p for s in sources],
-                                         cfg.val_batches * cfg.inner.batch_size, cfg.model.max_seq_len) for p in self.models}
+        self.windows = {p: validation_windows(cfg, shards, [s for q, sources in plan.trainees if q == p for s in sources])
+                        for p in self.models}
         self.batch_size, self.enabled = cfg.inner.batch_size, cfg.val_batches > 0
 
     def __call__(self, modules) -> dict[str, float]:

@@ -122,7 +122,7 @@ def patch_parts(module) -> None:
 
 
 # patched as each module finishes loading, before any other module binds the names it imports from it
-PATCHES = {"dipaco.training.trainee": patch_trainee, "dipaco.taskqueue.phases": patch_phases,
+PATCHES = {"dipaco.training.phase": patch_trainee, "dipaco.taskqueue.phases": patch_phases,
            "dipaco.taskqueue.taskstore": patch_taskstore, "dipaco.sharding.parts": patch_parts}
 
 
