@@ -36,13 +36,24 @@ pytestmark = pytest.mark.slow
 ROUNDS, H = 2, 6
 
 
-@pytest.fixture(scope="module")
-def reference(shards_2x2, tmp_path_factory) -> Path:
+_references: dict[int, Path] = {}
+
+
+def reference_run(shards: Path, tmp_path_factory, rounds: int = ROUNDS) -> Path:
+    """The in-process engine's run of the same config, once per number of rounds and session (tests/test_ray_keep_going.py
+    compares with the same runs)."""
     from dipaco.training.train import train
 
-    out = tmp_path_factory.mktemp("reference") / "run"
-    train(tiny_train_config(rounds=ROUNDS, inner_steps=H), shards_2x2, out, progress=False)
-    return out
+    if rounds not in _references:
+        out = tmp_path_factory.mktemp("reference") / "run"
+        train(tiny_train_config(rounds=rounds, inner_steps=H), shards, out, progress=False)
+        _references[rounds] = out
+    return _references[rounds]
+
+
+@pytest.fixture
+def reference(shards_2x2, tmp_path_factory) -> Path:
+    return reference_run(shards_2x2, tmp_path_factory)
 
 
 def command(shards, out, *extra: str, address: str = "", rounds: int = ROUNDS, resume: bool = False) -> list[str]:
