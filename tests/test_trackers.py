@@ -115,9 +115,9 @@ def assert_every_round_once(scalars: dict, tags: set[str], rounds: int) -> None:
 
 
 def run_modules(run_dir) -> list[str]:
-    from dipaco.io import read_json
+    from dipaco.storage.run import Run
 
-    return sorted(read_json(run_dir / "workers" / "rank_0.json")["modules"])
+    return Run(run_dir).grid.modules
 
 
 @pytest.mark.slow
@@ -154,3 +154,28 @@ def test_an_in_process_run_and_its_resume_continue_one_tensorboard_run_and_one_w
         for row in r["history"]:
             assert tags <= set(row), sorted(tags - set(row))
             assert row["val_ppl/1-0"] == pytest.approx(dict(scalars["val_ppl/1-0"])[row["_step"]], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_torchrun_workers_with_streaming_fragments_give_rank_0_s_trackers_every_module_s_norms(shards_2x2, tmp_path):
+    from conftest import TINY_TRAIN
+    from dipaco.cli.commands import main
+
+    run = tmp_path / "run"
+    sets = [*TINY_TRAIN, "streaming.fragments=2", "streaming.overlap=1", "streaming.alpha=0.5"]
+    args = ["train", "--shards", str(shards_2x2), "--out", str(run), "--quiet", "--rounds", "3", "--inner-steps", "4",
+            "--workers", "2", "--log-to", "tensorboard", *(a for kv in sets for a in ("--set", kv))]
+    assert main(args) == 0
+    assert len(list((run / "tensorboard").iterdir())) == 1  # rank 0 alone writes
+    scalars = tensorboard_scalars(run / "tensorboard")
+    modules = run_modules(run)
+    norms = {f"{n}/{m}" for n in NORMS for m in modules}
+    assert_every_round_once(scalars, expected_tags(PATHS, modules) - norms | {"comm/bytes_received"}, 3)
+    # each module's norms come from the rank that owns it; a fragment's outer step lands τ steps after its sync, so the
+    # one fragment synced at a round's last step steps in the next round: from round 2 on, every module has stepped
+    missing = norms - set(scalars)
+    assert not missing, sorted(missing)
+    for tag in norms:
+        steps = [s for s, _ in scalars[tag]]
+        assert steps in ([1, 2, 3], [2, 3]), (tag, steps)  # once a round, none repeated
+    assert all(v > 0 for _, v in scalars["comm/bytes_sent"]) and {v for _, v in scalars["workers/present"]} == {2.0}
