@@ -7,7 +7,9 @@ both on the same held-out tokens and prints the table. Re-running continues wher
 
 from __future__ import annotations
 
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import dipaco
@@ -24,12 +26,30 @@ from dipaco.storage.shards import MANIFEST, ShardSet
 from dipaco.training.train import train
 
 
-def _train_if_needed(cfg: TrainConfig, shards: Path, run: Path, progress: bool) -> None:
+def _resume(cfg: TrainConfig, run: Path) -> bool | None:
+    """Whether to resume the run (False: start it); None: it is trained (reused)."""
     done = checkpoint.latest_round(run) if run.exists() else None
     if done is not None and done >= cfg.rounds:
         print(f"  {run} already trained ({done} rounds), reusing it")
-        return
-    train(cfg, shards, run, resume=done is not None, progress=progress)
+        return None
+    return done is not None
+
+
+def _train_side_by_side(cfgs: dict[str, TrainConfig], runs: dict, shards: Path, progress: bool,
+                        here: str = "dipaco-2x2") -> None:
+    """Every run at once: run ``here`` in this process, its phases in one worker process per core, and each other run
+    (the dense baseline: one trainee, one core) in a process of its own beside it, so no core waits for another run;
+    each run's numbers are the same as trained alone."""
+    for name, (run, _) in runs.items():
+        print(f"[3/4] train {name} -> {run}" + (" (beside)" if name != here else ""))
+    todo = {name: resume for name, (run, _) in runs.items() if (resume := _resume(cfgs[name], run)) is not None}
+    others = [name for name in todo if name != here]
+    with ProcessPoolExecutor(max_workers=max(1, len(others)), mp_context=multiprocessing.get_context("spawn")) as side:
+        beside = [side.submit(train, cfgs[name], shards, runs[name][0], todo[name], False, 1) for name in others]
+        if here in todo:
+            train(cfgs[here], shards, runs[here][0], resume=todo[here], progress=progress, workers=None)
+        for future in beside:
+            future.result()
 
 
 def quickstart(out: str | Path = "dipaco-quickstart", rounds: int = 16, inner_steps: int = 50, preset: str = "tiny",
@@ -59,9 +79,7 @@ def quickstart(out: str | Path = "dipaco-quickstart", rounds: int = 16, inner_st
     sizes = ", ".join(f"{p}: {s['train_docs']} docs" for p, s in manifest["paths"].items())
     print(f"  paths: {sizes}; label purity {purity(manifest['labels_per_path'])['overall']:.2f}")
 
-    for name, (run, _) in runs.items():
-        print(f"[3/4] train {name} -> {run}")
-        _train_if_needed(cfgs[name], shards, run, progress)
+    _train_side_by_side(cfgs, runs, shards, progress)
 
     print(f"[4/4] evaluate on the held-out documents -> {out / 'report.json'}")
     report = evaluate({name: run for name, (run, _) in runs.items()}, shards, progress=progress)
