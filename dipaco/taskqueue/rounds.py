@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dipaco.taskqueue.resolver import StateResolver
-from dipaco.taskqueue.runstore import assemble, push
+from dipaco.taskqueue.runstore import TRACKER_FILES, assemble, push
 from dipaco.training.round_log import RoundLog, phase_tokens
 from dipaco.training.trackers import Trackers
 
@@ -61,7 +61,8 @@ class RoundAssembler:
                 return
             if r not in self.state.ledger.logged:
                 self.log_round(r, val)
-                push(self.local, self.state.store.storage, ["metrics.jsonl"])  # a run in a bucket: its metrics there
+                # a run in a bucket: its metrics there, and the trackers' files that a later driver continues
+                push(self.local, self.state.store.storage, ["metrics.jsonl", *TRACKER_FILES])
             if r % self.cfg.checkpoint_every == 0 or r == self.cfg.rounds:
                 self.checkpoint(r)
             self.next_round += 1

@@ -27,6 +27,7 @@ from dipaco.storage.objects import Storage, is_url
 from dipaco.taskqueue.taskstore import TaskStore, state_bytes, tensors_bytes
 
 HEAD_FILES = ("config.toml", "run.json", "metrics.jsonl")
+TRACKER_FILES = ("trackers.json", "tensorboard")  # --log-to: which rounds the trackers have, and the event files
 
 
 # ------------------------------------------------------------------------------------------ checkpoints in storage
@@ -135,9 +136,11 @@ def pull_run(location: str | Path, rounds: str = "all", into: Path | None = None
     storage = Storage(str(location))
     local = into or _cache_dir("runs", str(location))
     local.mkdir(parents=True, exist_ok=True)
-    for name in HEAD_FILES + ("checkpoints/latest",):
+    for name in HEAD_FILES + TRACKER_FILES[:1] + ("checkpoints/latest",):
         if storage.exists(name):
             storage.get_file(name, local / name)
+    for name in storage.list(TRACKER_FILES[1]):  # a new driver appends to the same tracker run
+        storage.get_file(f"{TRACKER_FILES[1]}/{name}", local / TRACKER_FILES[1] / name)
     for r in rounds_in(storage):
         base = f"checkpoints/round_{r}"
         names = ["state/meta.json"] if rounds == "meta" else [f"{d}/{n}" for d in ("modules", "state")
