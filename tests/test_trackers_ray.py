@@ -1,5 +1,6 @@
-"""--log-to on the Ray engine: the driver's trackers get every round once, with a worker SIGKILLed mid-phase (slow
-tier; the kill as tests/test_ray_storage.py does it, on the session's local two-node cluster)."""
+"""--log-to on the Ray engine (slow tier): a run in a bucket with a worker SIGKILLed mid-phase (the kill as
+tests/test_ray_storage.py does it, on the session's local two-node cluster), then extended by a new driver: the
+bucket's TensorBoard run has every round once."""
 
 from __future__ import annotations
 
@@ -19,32 +20,27 @@ ray = pytest.importorskip("ray", reason="the Ray engine needs the ray extra: pip
 pytestmark = pytest.mark.slow
 
 
-def test_a_ray_run_with_a_worker_killed_gives_tensorboard_every_round_once(shards_2x2, ray_cluster, tmp_path):
+def test_a_bucket_run_with_a_worker_killed_then_a_new_driver_gives_tensorboard_every_round_once(
+        shards_2x2, ray_cluster, bucket, tmp_path):
     from dipaco.storage.objects import Storage
     from dipaco.storage.run import Run
 
-    out = tmp_path / "run"
-    proc = start(command(shards_2x2, out, "--log-to", "tensorboard", address=ray_cluster.address),
+    url = f"{bucket}/run"
+    proc = start(command(shards_2x2, url, "--log-to", "tensorboard", address=ray_cluster.address),
                  env=fault_env("1:1:60", tmp_path / "faults"))
-    victim = wait_for(lambda: (a := attempts(Storage(str(out)), 1, "trainee_1")) and a[0], "phase (1, 1) to start",
+    victim = wait_for(lambda: (a := attempts(Storage(url), 1, "trainee_1")) and a[0], "phase (1, 1) to start",
                       timeout=600)  # a whole first round before it, on a busy machine
     time.sleep(1.0)  # asleep halfway through its inner steps now
     os.kill(victim["pid"], signal.SIGKILL)
     finish(proc, timeout=600)
-
-    scalars = tensorboard_scalars(out / "tensorboard")
-    tags = expected_tags(PATHS, Run(out).grid.modules) - {"comm/wait_s"}  # no reductions to wait on: storage
-    assert_every_round_once(scalars, tags | {"phases/retried", "phases/dropped", "workers/present"}, 2)
-    assert dict(scalars["phases/retried"]) == {1: 0.0, 2: 1.0}  # the killed phase (trainee 1, round 2), retried once
-    assert dict(scalars["phases/dropped"]) == {1: 0.0, 2: 0.0}
-
-
-def test_a_bucket_run_extended_by_a_new_driver_continues_its_tensorboard_run(shards_2x2, ray_cluster, bucket):
-    url = f"{bucket}/run"
-    finish(start(command(shards_2x2, url, "--log-to", "tensorboard", address=ray_cluster.address, rounds=1)), 600)
-    finish(start(command(shards_2x2, url, "--log-to", "tensorboard", address=ray_cluster.address, rounds=2,
+    # a new driver extends the run by a round: it pulls the tracker files, appends, pushes them back
+    finish(start(command(shards_2x2, url, "--log-to", "tensorboard", address=ray_cluster.address, rounds=3,
                          resume=True)), 600)
+
     run = local_copy(url)  # the bucket's copy: what the drivers pushed
     scalars = tensorboard_scalars(run / "tensorboard")
-    assert [s for s, _ in scalars["train_loss/0-0"]] == [1, 2]  # the second driver appended round 2 only
-    assert json.loads((run / "trackers.json").read_text())["tensorboard"]["round"] == 2
+    tags = expected_tags(PATHS, Run(run).grid.modules) - {"comm/wait_s"}  # no reductions to wait on: storage
+    assert_every_round_once(scalars, tags | {"phases/retried", "phases/dropped", "workers/present"}, 3)
+    assert dict(scalars["phases/retried"]) == {1: 0.0, 2: 1.0, 3: 0.0}  # the killed phase, retried once
+    assert dict(scalars["phases/dropped"]) == {1: 0.0, 2: 0.0, 3: 0.0}
+    assert json.loads((run / "trackers.json").read_text())["tensorboard"]["round"] == 3
