@@ -59,7 +59,7 @@ class WorkerPool:
         self.cfg, self.shards_dir, self.grid = cfg, str(shards_dir), grid
         self.executor = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                             initializer=_start_worker, initargs=(cfg.trainee_threads,))
-        for _ in range(workers):  # every process starts now and imports torch while this one builds the run
+        for _ in range(workers):  # every process starts (and imports torch) now, not one by one as phases come
             self.executor.submit(_start_worker, cfg.trainee_threads)
 
     def run(self, trainees: list[Trainee], version: int, schedule_steps: int, modules: dict,

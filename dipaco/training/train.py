@@ -62,14 +62,14 @@ def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume:
     with closing(make_world(cfg, str(device))) as world:
         torch.manual_seed(cfg.seed)
         plan = Plan.make(cfg, grid, shards, world.size)
-        runner = phase_runner(cfg, shards_dir, grid, plan.ranks.count(world.rank), device, workers)  # starts first
-        with closing(runner):
-            worker = Worker.build(cfg, shards, grid, plan, world, device)
-            validator = Validator(cfg, shards, grid, plan, world.rank, device)
-            checkpointer = checkpoint.Checkpointer(run_dir, world, list(plan.weights), plan.paths)
-            start, schedule = RunDirectory(run_dir, cfg, shards).begin(resume, world, grid, plan, worker, checkpointer)
-            gather = RoundGather(run_dir, cfg, world, len(plan.trainees), max(0, cfg.rounds - start) * len(worker.trainees),
-                                 progress, norms=lambda: worker.outer.module_norms(worker.owned))
+        worker = Worker.build(cfg, shards, grid, plan, world, device)
+        validator = Validator(cfg, shards, grid, plan, world.rank, device)
+        checkpointer = checkpoint.Checkpointer(run_dir, world, list(plan.weights), plan.paths)
+        start, schedule = RunDirectory(run_dir, cfg, shards).begin(resume, world, grid, plan, worker, checkpointer)
+        gather = RoundGather(run_dir, cfg, world, len(plan.trainees), max(0, cfg.rounds - start) * len(worker.trainees),
+                             progress, norms=lambda: worker.outer.module_norms(worker.owned))
+        to_train = len(worker.trainees) if start < cfg.rounds else 0  # a finished run starts no worker process
+        with closing(phase_runner(cfg, shards_dir, grid, to_train, device, workers)) as runner:
             for r in range(start, cfg.rounds):
                 report = worker.run_round(r, schedule, runner, gather.log.advance)  # the phases, the module averages
                 if r + 1 == cfg.rounds:
@@ -77,7 +77,7 @@ def train(cfg: TrainConfig, shards_dir: str | Path, run_dir: str | Path, resume:
                 gather.round(r + 1, report, validator(worker.modules))
                 if (r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds:
                     checkpointer.save(r + 1, worker.part())
-            gather.close()
+        gather.close()
         write_worker_report(run_dir, worker, world)
     return {"run": str(run_dir), "rounds": cfg.rounds, "grid": format_grid(grid.shape), "trainees": len(plan.trainees),
             "workers": world.size}
