@@ -6,9 +6,9 @@ for the real corpus or its shards (`corpus_file`, `shards_2x2`, `tok`, directly 
 is an integration test by definition: it is marked slow here even where its file forgot to.
 
 The README's command runs the unit tier first, then the integration tier on two xdist workers (`-n 2 --dist
-loadgroup`): the session's corpus and shards are built once for both workers, and every test of the session's Ray
-cluster or S3 server runs on one worker (one `xdist_group`), so one cluster and one server serve them all.
-Collected tests run unit tier first, then the longest files, so that no long test starts last.
+loadfile --no-loadscope-reorder`): a file's tests run on one worker (its module fixtures are built once), the
+session's corpus and shards are built once for both workers, and files start in the order collected here: the
+unit tier first, then the longest files, so that no long test starts last.
 """
 
 from __future__ import annotations
@@ -33,19 +33,15 @@ TINY_TRAIN = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_h
 
 
 _REAL_DATA = {"corpus_file", "shards_2x2", "tok"}
-_ONE_CLUSTER = {"ray_cluster", "s3_server"}
 # Files whose tests take minutes each: started first, so that none of them ends a run alone on one worker.
 _LONGEST = ("test_reproduce.py", "test_ray_keep_going.py", "test_ray_storage.py", "test_distributed.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects and before xdist reads the groups
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        fixtures = set(getattr(item, "fixturenames", ()))
-        if _REAL_DATA & fixtures and item.get_closest_marker("slow") is None:
+        if _REAL_DATA & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
-        if _ONE_CLUSTER & fixtures:
-            item.add_marker(pytest.mark.xdist_group("cluster"))
     items.sort(key=_run_order)  # stable: a file's tests keep their order
 
 
