@@ -4,15 +4,17 @@ product holds no test hook and reads no test variable.
 
 ``DIPACO_FAULTS`` is a comma-separated list of delays:
 
-  ``<trainee>:<version>:<seconds>[:<attempts>]``  the first attempt (the first ``attempts``) of phase (trainee,
-                                                  version) to reach its middle inner step sleeps there
+  ``<trainee>:<version>:<seconds>[:<attempts>]``  attempt 1 (attempts 1 to ``attempts``) of phase (trainee, version)
+                                                  sleeps before its middle inner step (the attempt's number as the
+                                                  task store counts it; the in-process engine's one run is attempt 1)
   ``step:<version>:<seconds>``                    the first outer step from ``version`` (any group) sleeps after it
                                                   wrote its first module
   ``block:<index>:<seconds>``                     the first attempt of the shard stage's pass-2 block ``index``
                                                   sleeps after reading its first document
 
 Each delay that fires writes its process id to ``$DIPACO_FAULTS_DIR/<name>.pid`` first (``phase-<trainee>-<version>-
-<attempt>``, ``step-<version>``, ``block-<index>``): the marker also tells a retry that the attempt before it slept.
+<attempt>``, ``step-<version>``, ``block-<index>``), created only if absent: a delay fires once, and a retried step
+or block finds that an attempt before it slept.
 A test kills that process while it sleeps, or leaves the phase late. Ray workers of a cluster the test started
 before the driver get the same variables through the driver's runtime environment (``runtime_env``, named by
 ``RAY_RUNTIME_ENV_HOOK``).
@@ -52,12 +54,16 @@ def claim(name: str) -> bool:
     return True
 
 
+_attempt: dict[tuple[int, int | str], int] = {}  # (version, trainee or step group): this process's attempt of it
+
+
 def phase_delay(trainee: int, step: int, inner_steps: int) -> float:
     """Seconds trainee ``trainee`` sleeps before inner step ``step`` (counted over its whole training)."""
     version, k = divmod(step, inner_steps)
+    attempt = _attempt.get((version, trainee), 1)
     for target, v, seconds, attempts in delays():
-        if target == str(trainee) and v == version and k == inner_steps // 2:
-            if any(claim(f"phase-{trainee}-{v}-{n}") for n in range(1, attempts + 1)):
+        if target == str(trainee) and v == version and k == inner_steps // 2 and attempt <= attempts:
+            if claim(f"phase-{trainee}-{v}-{attempt}"):  # once per attempt (a replay passes the same step again)
                 return seconds
     return 0.0
 
@@ -91,7 +97,12 @@ def patch_phases(module) -> None:
 
 
 def patch_taskstore(module) -> None:
-    put = module.TaskStore.put
+    put, record_attempt = module.TaskStore.put, module.TaskStore.record_attempt
+
+    @functools.wraps(record_attempt)
+    def noted_record_attempt(self, v, who, *args, **kwargs):
+        _attempt[(v, who)] = record_attempt(self, v, who, *args, **kwargs)
+        return _attempt[(v, who)]
 
     @functools.wraps(put)
     def put_then_sleep(self, *args, **kwargs):
@@ -101,7 +112,7 @@ def patch_taskstore(module) -> None:
             time.sleep(seconds)
         return entry
 
-    module.TaskStore.put = put_then_sleep
+    module.TaskStore.put, module.TaskStore.record_attempt = put_then_sleep, noted_record_attempt
 
 
 def patch_parts(module) -> None:
