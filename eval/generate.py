@@ -163,8 +163,8 @@ def loaded_scorer(rr: RoutedRun, round: int | None = None, models: dict | None =
 
 def every_w_rule(rr: RoutedRun, w: int) -> tuple[Rule, str]:
     """The every-W rule: the best rule that runs one path, chosen on the router documents for this run
-    (``policy.json``). Without one, or with one an earlier dipaco chose on the validation documents or against
-    another once rule, "stay": the prompt's path throughout, never worse than routing once."""
+    (``policy.json``). Without one, or with one chosen against another once rule, "stay": the prompt's path
+    throughout, never worse than routing once."""
     from dipaco.eval.window_policy import read_window_policy, stale_window_policy, window_policy_file
 
     policy = read_window_policy(rr.run, rr.shards, w) if w else None

@@ -233,12 +233,10 @@ def read_window_policy(run: Run, shards, w: int) -> dict | None:
 
 
 def stale_window_policy(saved: dict, once_name: str) -> str | None:
-    """Why a saved every-W ``policy.json`` must not be followed, or None: one an earlier dipaco chose on the validation
-    documents, or one chosen while routing once used another rule than ``once_name`` (its "stay" was another path)."""
-    if saved.get("split") != "router_docs":
-        return "was chosen on the validation documents (re-run dipaco fit-window-router --overwrite)"
-    if saved.get("once_rule", "shard-router") != once_name:
-        return f"was chosen when routing once used {saved.get('once_rule', 'shard-router')}"
+    """Why a saved every-W ``policy.json`` must not be followed, or None: one chosen while routing once used another
+    rule than ``once_name`` (its "stay" was another path)."""
+    if saved["once_rule"] != once_name:
+        return f"was chosen when routing once used {saved['once_rule']} (re-run dipaco fit-window-router --overwrite)"
     return None
 
 
