@@ -155,13 +155,14 @@ def test_the_driver_ends_instead_of_spinning_when_nothing_can_finish_a_round(mon
     finishing what storage holds, then ends in one line (the loop it replaces called ``ray.wait`` only with something
     in flight, and looped without sleeping)."""
     ray_engine = pytest.importorskip("dipaco.taskqueue.ray_engine")
+    from dipaco.config import LogConfig
     from dipaco.taskqueue.rounds import RoundAssembler
 
     schedule, _ = stuck()
     state = schedule.state
     state.has_version = lambda g, v: v != 2 or g != "L1.E1"  # version 2 of L1.E1 lost: paths 0-1 and 1-1 cannot validate
     state.ledger.versions.discard(("L1.E1", 2))
-    cfg = SimpleNamespace(rounds=3, inner_steps=2, checkpoint_every=1)
+    cfg = SimpleNamespace(rounds=3, inner_steps=2, checkpoint_every=1, log=LogConfig())
     queue = ray_engine.TaskQueue.__new__(ray_engine.TaskQueue)
     queue.state, queue.schedule = state, schedule
     queue.rounds = RoundAssembler(state, cfg, tmp_path, workers=lambda: 1, progress=False)
