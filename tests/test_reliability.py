@@ -55,7 +55,8 @@ def test_sigkill_during_checkpoint_write_then_resume_is_bit_identical(shards_2x2
     crashed = tmp_path / "crashed"
     # 7 files per round (6 modules + outer state): die after round 0 and 1 and three files of round 2
     proc = subprocess.run([sys.executable, "-c", _KILLER, *_train_args(shards_2x2, crashed, 2)],
-                          env={**__import__("os").environ, "KILL_AFTER": "17"}, capture_output=True, text=True)
+                          env={**__import__("os").environ, "KILL_AFTER": "17"}, capture_output=True, text=True,
+                          timeout=600)  # a worker process that outlived its SIGKILLed trainer would hold the pipes
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert checkpoint.latest_round(crashed) == 1  # the half-written round 2 never became visible
     assert checkpoint.list_rounds(crashed) == [0, 1]

@@ -15,6 +15,8 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Callable
 
@@ -58,9 +60,9 @@ class WorkerPool:
     def __init__(self, cfg: TrainConfig, shards_dir: str, grid, workers: int):
         self.cfg, self.shards_dir, self.grid = cfg, str(shards_dir), grid
         self.executor = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_start_worker, initargs=(cfg.trainee_threads,))
+                                            initializer=_start_worker, initargs=(cfg.trainee_threads, os.getpid()))
         for _ in range(workers):  # every process starts (and imports torch) now, not one by one as phases come
-            self.executor.submit(_start_worker, cfg.trainee_threads)
+            self.executor.submit(_start_worker, cfg.trainee_threads, os.getpid())
 
     def run(self, trainees: list[Trainee], version: int, schedule_steps: int, modules: dict,
             advance: Callable[[int], None]) -> list[PhaseResult]:
@@ -94,9 +96,19 @@ def _from_bytes(data: bytes):
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-def _start_worker(threads: int) -> None:
+def _start_worker(threads: int, parent: int) -> None:
     torch.set_num_threads(threads)  # one core per worker: every engine pins the same count (the same bits)
     deterministic(torch.device("cpu"))
+    if not any(t.name == "dipaco-orphan-watch" for t in threading.enumerate()):
+        threading.Thread(target=_exit_when_orphaned, args=(parent,), name="dipaco-orphan-watch", daemon=True).start()
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    """A SIGKILLed trainer cannot shut its pool down: its workers leave on their own, or they would hold its output
+    pipes (and a core) until their phase ends."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 _shard_sets: dict[str, ShardSet] = {}  # per worker process: the shard sets it has opened
