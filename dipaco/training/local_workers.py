@@ -93,7 +93,8 @@ def _to_bytes(obj) -> bytes:
 
 
 def _from_bytes(data: bytes):
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    buffer = io.BytesIO(data)
+    return torch.load(buffer, map_location="cpu", weights_only=True)
 
 
 def _start_worker(threads: int, parent: int) -> None:
