@@ -5,10 +5,9 @@ marked `@pytest.mark.slow` (real shards and runs, gloo, torchrun, subprocesses, 
 for the real corpus or its shards (`corpus_file`, `shards_2x2`, `tok`, directly or through another fixture)
 is an integration test by definition: it is marked slow here even where its file forgot to.
 
-The README's command runs the unit tier first, then the integration tier on two xdist workers (`-n 2 --dist
-loadfile --no-loadscope-reorder`): a file's tests run on one worker (its module fixtures are built once), the
-session's corpus and shards are built once for both workers, and files start in the order collected here: the
-unit tier first, then the longest files, so that no long test starts last.
+The README's command runs the unit tier first, then the integration tier. Collected tests are ordered here: the
+unit tier first, then the longest files (under `-n 2 --dist loadfile` no long file starts last on one worker;
+the session's corpus and shards are then built once for both workers).
 """
 
 from __future__ import annotations
