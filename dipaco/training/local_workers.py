@@ -62,7 +62,7 @@ class WorkerPool:
         self.executor = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                             initializer=_start_worker, initargs=(cfg.trainee_threads, os.getpid()))
         for _ in range(workers):  # every process starts (and imports torch) now, not one by one as phases come
-            self.executor.submit(_start_worker, cfg.trainee_threads, os.getpid())
+            self.executor.submit(os.getpid)
 
     def run(self, trainees: list[Trainee], version: int, schedule_steps: int, modules: dict,
             advance: Callable[[int], None]) -> list[PhaseResult]:
@@ -100,8 +100,7 @@ def _from_bytes(data: bytes):
 def _start_worker(threads: int, parent: int) -> None:
     torch.set_num_threads(threads)  # one core per worker: every engine pins the same count (the same bits)
     deterministic(torch.device("cpu"))
-    if not any(t.name == "dipaco-orphan-watch" for t in threading.enumerate()):
-        threading.Thread(target=_exit_when_orphaned, args=(parent,), name="dipaco-orphan-watch", daemon=True).start()
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
 
 
 def _exit_when_orphaned(parent: int) -> None:
