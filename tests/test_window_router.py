@@ -94,13 +94,14 @@ def test_eval_and_generate_use_the_window_router(fitted):
             g = generate(rr, prompt, max_new_tokens=3 * W, seed=0)
             assert kind in g.router and len(g.segments) == -(-g.new_tokens // W)
             assert (g.bytes_loaded == g.bytes_total) == loads_all
-        # a rule an earlier dipaco chose on the validation documents is not followed: the prompt keeps its path
+        # a rule chosen while routing once used another rule is not followed ("stay" meant another path then)
         (folder / "policy.json").write_text(json.dumps({"chosen": {"kind": "shard-router", "lookback": 32},
-                                                        "reason": "old", "split": "val", "once_rule": once["name"]}))
+                                                        "reason": "old", "split": "router_docs",
+                                                        "once_rule": "another-once-rule"}))
         g = generate(rr, prompt, max_new_tokens=3 * W, seed=0)
-        assert "stay" in g.router and "validation" in g.router and {p for p, _ in g.segments} == {one.segments[0][0]}
-        assert "chosen on the validation" in evaluate({"d": run}, shards, progress=False, route_every=[W])["methods"][
-            f"d every-{W}"]["policy"]["source"]
+        assert "stay" in g.router and "another-once-rule" in g.router and {p for p, _ in g.segments} == {one.segments[0][0]}
+        assert "routing once used another-once-rule" in evaluate({"d": run}, shards, progress=False, route_every=[W])[
+            "methods"][f"d every-{W}"]["policy"]["source"]
     finally:
         (folder / "policy.json").write_text(saved)
 
