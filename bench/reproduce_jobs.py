@@ -176,6 +176,9 @@ def unit_child(spec: dict) -> None:
         if argv[:3] == store.CLI:  # in this process: the imports cost more than a tiny training
             from dipaco.cli.commands import main
 
+            if argv[3] == "train" and "--workers" not in argv:  # one core per job: the scheduler counts a job one slot
+                argv += ["--processes", "1"]                     # (not in the spec: the bits are the same for any count)
+
             rc = main(argv[3:])
             if rc:
                 raise SystemExit(f"reproduce: {' '.join(argv[3:5])} exited {rc}")

@@ -52,12 +52,11 @@ def test_worker_processes_and_the_cli_default_give_the_bits_of_one_process(shard
     cfg = tiny_train_config(rounds=ROUNDS, inner_steps=H)
     one, two, cli = tmp_path / "one", tmp_path / "two", tmp_path / "cli"
     train(cfg, shards_2x2, one, progress=False, workers=1)
-    train(cfg, shards_2x2, two, progress=False, workers=2)  # 4 trainees on 2 processes, whatever the cores
-    args = ["train", "--shards", str(shards_2x2), "--out", str(cli), "--quiet", "--rounds", str(ROUNDS),
-            "--inner-steps", str(H)]
+    args = ["train", "--shards", str(shards_2x2), "--quiet", "--rounds", str(ROUNDS), "--inner-steps", str(H)]
     for kv in TINY_TRAIN:
         args += ["--set", kv]
-    assert main(args) == 0  # the CLI default: one worker process per core, at most one per trainee
+    assert main(args + ["--out", str(two), "--processes", "2"]) == 0  # 4 trainees on 2 processes, whatever the cores
+    assert main(args + ["--out", str(cli)]) == 0  # the CLI default: one worker process per core, at most one per trainee
     for other in (two, cli):
         _assert_same_bits(one, other)
         assert _losses(one) == _losses(other)
