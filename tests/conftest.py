@@ -33,7 +33,7 @@ TINY_TRAIN = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_h
 
 _REAL_DATA = {"corpus_file", "shards_2x2", "tok"}
 # Files whose tests take minutes each: started first, so that none of them ends a run alone on one worker.
-_LONGEST = ("test_reproduce.py", "test_ray_keep_going.py", "test_ray_storage.py", "test_distributed.py")
+_LONGEST = ("test_ray_storage.py", "test_ray_keep_going.py", "test_ray_engine.py", "test_reproduce.py", "test_distributed.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
