@@ -145,13 +145,20 @@ def downstream_table(res: dict) -> list[str]:
                  f"of other held-out documents of the same domain; each question routed by its passage, every choice by "
                  f"that path (chance: 1/{t['choices']}). Accuracy ± the harness's standard error:", "",
              "| run | held-out ppl | accuracy | length-normalised accuracy | questions |", "| --- | ---: | ---: | ---: | ---: |"]
+    other = False
     for n, r in rows.items():
         label = r["label"] + (" (headline)" if n == head else "")
         if "acc" not in r:
             lines.append(f"| {label} | {fmt(r.get('perplexity'))} | {MISSING} | | |")
             continue
-        lines.append(f"| {label} | {fmt(r.get('perplexity'))} | {r['acc']:.3f} ± {r['acc_stderr']:.3f} | "
-                     f"{r['acc_norm']:.3f} ± {r['acc_norm_stderr']:.3f} | {r['questions']} |")
+        mark = "†" if r.get("same_weights") is False else ""
+        other = other or bool(mark)
+        lines.append(f"| {label} | {fmt(r.get('perplexity'))} | {r['acc']:.3f} ± {r['acc_stderr']:.3f}{mark} | "
+                     f"{r['acc_norm']:.3f} ± {r['acc_norm_stderr']:.3f}{mark} | {r['questions']} |")
+    if other:
+        lines += ["", "† measured on the row re-trained for it, whose weights differ from those its perplexity was "
+                      "measured on (the durable results' weights_sha256; another machine): the two columns of that row "
+                      "are not of one model."]
     return lines
 
 

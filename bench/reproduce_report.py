@@ -52,9 +52,16 @@ def collect(c: Corpus) -> dict:
 
 
 def _downstream(c: Corpus, name: str, row: dict) -> dict:
-    """A row of the downstream table: the row's held-out perplexity beside its multiple-choice accuracy."""
-    kept = ((c.result(f"downstream-{name}") or {}).get("evals") or {}).get("heldout_choice")
-    return {"label": row["label"], "perplexity": row.get("perplexity"), **(kept or {"status": MISSING})}
+    """A row of the downstream table: the row's held-out perplexity beside its multiple-choice accuracy, and whether
+    the accuracy was measured on the weights the perplexity was (a row re-trained for it on another machine may
+    not be: the same code and shard bytes gave other weights there)."""
+    job = c.result(f"downstream-{name}") or {}
+    kept = (job.get("evals") or {}).get("heldout_choice")
+    if not kept:
+        return {"label": row["label"], "perplexity": row.get("perplexity"), "status": MISSING}
+    trained = (c.result(row.get("same_run_as", name)) or {}).get("weights_sha256")
+    same = None if not (trained and job.get("weights_sha256")) else trained == job["weights_sha256"]
+    return {"label": row["label"], "perplexity": row.get("perplexity"), **kept, "same_weights": same}
 
 
 def _row(c: Corpus, sp, start_ppl: float | None) -> dict:

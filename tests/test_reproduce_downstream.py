@@ -31,7 +31,7 @@ def fake(c: Corpus, job, fp: str) -> dict:
                                 "acc_stderr": 0.07, "acc_norm": ACC[row] - 0.05, "acc_norm_stderr": 0.07,
                                 "routing": "once", "requests_per_path": {"0-0": 160}}}
     return {"fingerprint": fp, "job": job.name, "corpus": c.name, "record": {"row": row}, "rounds": [], "run_info": {},
-            "evals": evals}
+            "evals": evals, "weights_sha256": f"weights of {row}"}
 
 
 def simulate(c: Corpus, results: Path, out: Path) -> list:
@@ -81,6 +81,17 @@ def test_downstream_jobs_follow_their_rows_and_land_on_the_page(corpus, tmp_path
     table = text.split("Downstream (lm-evaluation-harness")[1].split("Expectations:")[0]
     assert "| DiPaCo 2x2, private embedding and blocks 0, 3 (headline) | 28.20 | 0.500 ± 0.070 | 0.450 ± 0.070 | 40 |" in table
     assert table.count("\n| ") == 2 + len(DOWNSTREAM) and MISSING not in table
+
+    # the rows' durable results hold their weights' hash: a downstream result on other weights (its row re-trained
+    # on another machine) is marked, once trained weights agree it is not
+    for row in DOWNSTREAM:
+        f = results / "default" / f"{row}.json"
+        f.write_text(f.read_text().replace('"fingerprint"', f'"weights_sha256": "weights of {row}", "fingerprint"', 1))
+    other = results / "default" / "downstream-flat-4.json"
+    other.write_text(other.read_text().replace("weights of flat-4", "weights trained elsewhere"))
+    text = page(results_json([corpus], {"default": collect(corpus)}, "tiny", S), S, {}, "x")
+    table = text.split("Downstream (lm-evaluation-harness")[1].split("Expectations:")[0]
+    assert table.count("†") == 3 and "| 0.400 ± 0.070† | 0.350 ± 0.070† |" in table and "† measured on the row" in table
 
     (results / "default" / "downstream-dense.json").unlink()  # a downstream result missing: its row says so
     plan(jobs, results, out)  # (fingerprints)
