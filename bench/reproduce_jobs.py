@@ -177,7 +177,7 @@ def unit_child(spec: dict) -> None:
             from dipaco.cli.commands import main
 
             if argv[3] == "train" and "--workers" not in argv:  # one core per job: the scheduler counts a job one slot
-                argv += ["--processes", "1"]                     # (not in the spec: the bits are the same for any count)
+                argv += ["--num-proc", "1"]                      # (not in the spec: the bits are the same for any count)
 
             rc = main(argv[3:])
             if rc:

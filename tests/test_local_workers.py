@@ -55,7 +55,7 @@ def test_worker_processes_and_the_cli_default_give_the_bits_of_one_process(shard
     args = ["train", "--shards", str(shards_2x2), "--quiet", "--rounds", str(ROUNDS), "--inner-steps", str(H)]
     for kv in TINY_TRAIN:
         args += ["--set", kv]
-    assert main(args + ["--out", str(two), "--processes", "2"]) == 0  # 4 trainees on 2 processes, whatever the cores
+    assert main(args + ["--out", str(two), "--num-proc", "2"]) == 0  # 4 trainees on 2 processes, whatever the cores
     assert main(args + ["--out", str(cli)]) == 0  # the CLI default: one worker process per core, at most one per trainee
     for other in (two, cli):
         _assert_same_bits(one, other)

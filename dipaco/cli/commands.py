@@ -109,11 +109,11 @@ def cmd_train(args) -> int | None:
     from dipaco.taskqueue.lease import only_a_lease
 
     cfg = _resolve(args, C.TrainConfig)
-    for flag, value in (("--workers", args.workers), ("--processes", args.processes)):
+    for flag, value in (("--workers", args.workers), ("--num-proc", args.num_proc)):
         if value is not None and value < 1:  # 0 too: it is not "no workers", it is nonsense
             raise DipacoError(f"{flag} must be >= 1, got {value}")
-    if args.processes is not None and (args.workers or cfg.engine == "ray"):
-        raise DipacoError("--processes sets the local engine's worker processes; with "
+    if args.num_proc is not None and (args.workers or cfg.engine == "ray"):
+        raise DipacoError("--num-proc sets the local engine's worker processes; with "
                           f"{'--workers (torchrun)' if args.workers else '--engine ray'} drop it")
     remote = is_url(args.out)
     if remote and cfg.engine != "ray":
@@ -311,7 +311,7 @@ def _add_pipeline_commands(sub) -> None:
                    "without it the local engine trains in this process and runs the trainees' phases side by side in "
                    "one worker process per core (at most one per trainee: the same bits as one process); with "
                    "--engine ray: the CPUs of the local Ray it starts (default: one per core)")
-    p.add_argument("--processes", type=int, help="the local engine's worker processes: the trainees' phases run side "
+    p.add_argument("--num-proc", type=int, help="the local engine's worker processes: the trainees' phases run side "
                    "by side in this many (default: one per core, at most one per trainee; 1: every phase in this "
                    "process); the same bits for any count")
     p.add_argument("--max-restarts", type=int, default=0, help="with --workers: torchrun restarts after a crash "

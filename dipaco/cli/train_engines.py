@@ -4,7 +4,7 @@ so an engine decides only where and when phases run, never a bit of the result. 
 reaches the whole core (the local loop, torchrun, the task queue), which stands below it.
 
   local      the default: every trainee belongs to this process; a round's phases run side by side in local worker
-             processes, one torch thread each (``--processes``; default one per core, at most one per trainee), and
+             processes, one torch thread each (``--num-proc``; default one per core, at most one per trainee), and
              the outer step runs here;
              Streaming DiLoCo (fragments synced within a round) runs its phases in this process
   torchrun   ``--workers N``: the same command on N local torchrun ranks (gloo; Streaming DiLoCo's overlapped
@@ -108,11 +108,11 @@ def check_ray_flags(cfg, args) -> None:
 
 def engine_for(cfg, args) -> TrainEngine:
     """``--engine ray``: Ray; ``--workers N``: torchrun; a rank of a running torchrun: its own trainees here; else the
-    local engine with ``--processes`` worker processes (default: one per core)."""
+    local engine with ``--num-proc`` worker processes (default: one per core)."""
     if cfg.engine == "ray":
         return RayEngine()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
         return LocalEngine(workers=1)
     if args.workers:
         return TorchrunEngine()
-    return LocalEngine(workers=args.processes)
+    return LocalEngine(workers=args.num_proc)
