@@ -93,8 +93,7 @@ def _to_bytes(obj) -> bytes:
 
 
 def _from_bytes(data: bytes):
-    buffer = io.BytesIO(data)
-    return torch.load(buffer, map_location="cpu", weights_only=True)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def _start_worker(threads: int, parent: int) -> None:
