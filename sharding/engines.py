@@ -22,7 +22,7 @@ from concurrent.futures.process import BrokenProcessPool
 from tqdm.auto import tqdm
 
 from dipaco.errors import DipacoError
-from dipaco.taskqueue.children import die_with_parent
+from dipaco.children import die_with_parent
 
 # what every worker runs with: one tokenizer thread and one BLAS/torch thread (a worker is one core)
 WORKER_ENV = {"RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -26,7 +26,7 @@ import sys
 import threading
 
 from dipaco.errors import DipacoError
-from dipaco.taskqueue.children import watch_local_ray
+from dipaco.children import watch_local_ray
 
 # Ray decides a node's address when it starts: with its "cluster" mode off it takes the loopback address, and its
 # servers listen on 127.0.0.1 only (they do when their node's address is 127.0.0.1). Read by ray on import and by
@@ -35,7 +35,7 @@ _LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _WARNED = "DIPACO_RAY_AUTH_WARNED"  # the warning is given once per process tree (a --keep-going parent tells its children)
 INIT_DEADLINE_S = 45.0
 TOKEN_PROBE_S = 10.0
-_watcher = None  # the watcher of the local Ray this process started (dipaco.taskqueue.children.watch_local_ray)
+_watcher = None  # the watcher of the local Ray this process started (dipaco.children.watch_local_ray)
 
 
 class ClusterUnreachable(DipacoError):
@@ -85,7 +85,7 @@ def connect(address: str = "", cpus: int | None = None, env: dict | None = None)
         # address="local": a new Ray of our own, never one that `ray start` left running on this machine
         ray.init(address="local", num_cpus=cpus or os.cpu_count(), include_dashboard=False,
                  object_store_memory=256 << 20, **opts)
-        global _watcher  # this Ray's processes end with this one, SIGKILLed or not (dipaco.taskqueue.children)
+        global _watcher  # this Ray's processes end with this one, SIGKILLed or not (dipaco.children)
         _watcher = watch_local_ray(getattr(ray._private.worker._global_node, "session_name", ""))
         return {"address": ray.get_runtime_context().gcs_address, "local": True}
     why = reachable(address)

@@ -15,13 +15,12 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
-import threading
-import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Callable
 
 import torch
 
+from dipaco.children import die_with_parent
 from dipaco.config import TrainConfig
 from dipaco.storage.shards import ShardSet
 from dipaco.training.devices import deterministic
@@ -97,17 +96,11 @@ def _from_bytes(data: bytes):
 
 
 def _start_worker(threads: int, parent: int) -> None:
+    # a SIGKILLed trainer cannot shut its pool down: its workers end with it, or they would hold its output pipes
+    # (and a core) until their phase ends
+    die_with_parent(parent)
     torch.set_num_threads(threads)  # one core per worker: every engine pins the same count (the same bits)
     deterministic(torch.device("cpu"))
-    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
-
-
-def _exit_when_orphaned(parent: int) -> None:
-    """A SIGKILLed trainer cannot shut its pool down: its workers leave on their own, or they would hold its output
-    pipes (and a core) until their phase ends."""
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(1)
 
 
 _shard_sets: dict[str, ShardSet] = {}  # per worker process: the shard sets it has opened

@@ -1,8 +1,8 @@
 """Processes a command starts end with it, even when it is killed (SIGKILL runs no exit handler of its own).
 
-  ``die_with_parent``   called first in a child process (a shard pool worker): Linux's parent-death signal
-                        (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) ends it when the process that started it ends, however
-                        that ends; a child whose parent is already gone ends at once
+  ``die_with_parent``   called first in a child process (a shard pool worker, a local training worker): Linux's
+                        parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) ends it when the process that
+                        started it ends, however that ends; a child whose parent is already gone ends at once
   ``watch_local_ray``   the local Ray a driver starts (GCS, raylet, and the agents and workers the raylet starts,
                         which are not the driver's children and outlive a SIGKILLed driver): a small watcher in a
                         session of its own waits for the driver's end (the end of a pipe only the driver holds), then
