@@ -346,9 +346,11 @@ class Corpus:
                             artifact=done(self.runs / sp.name, sp.rounds), slots=min(2, sp.workers),
                             weight=sp.trainees * sp.rounds * sp.H))
         for sp in (sp for sp in self.specs() if self.downstream and sp.name in DOWNSTREAM):
-            step = {"op": "downstream", "key": "heldout_choice", "shards": str(self.shard_dirs[sp.shards]), **DOWNSTREAM_TASK}
-            jobs.append(Job(n, f"downstream-{sp.name}", lambda sp=sp, step=step: {
-                **base, "command": None, "run": str(self.runs / sp.name), "steps": [step], "record": {"row": sp.name}},
+            shards = str(self.shard_dirs[sp.shards])  # the perplexity too: the row may be re-trained to other weights
+            steps = [{"op": "eval", "key": "heldout", "label": sp.label, "shards": shards, "round": sp.rounds},
+                     {"op": "downstream", "key": "heldout_choice", "shards": shards, **DOWNSTREAM_TASK}]
+            jobs.append(Job(n, f"downstream-{sp.name}", lambda sp=sp, steps=steps: {
+                **base, "command": None, "run": str(self.runs / sp.name), "steps": steps, "record": {"row": sp.name}},
                 deps=[sp.name], needs=[sp.name]))
         return jobs
 

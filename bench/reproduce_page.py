@@ -145,20 +145,21 @@ def downstream_table(res: dict) -> list[str]:
                  f"of other held-out documents of the same domain; each question routed by its passage, every choice by "
                  f"that path (chance: 1/{t['choices']}). Accuracy ± the harness's standard error:", "",
              "| run | held-out ppl | accuracy | length-normalised accuracy | questions |", "| --- | ---: | ---: | ---: | ---: |"]
-    other = False
+    other = []
     for n, r in rows.items():
         label = r["label"] + (" (headline)" if n == head else "")
         if "acc" not in r:
             lines.append(f"| {label} | {fmt(r.get('perplexity'))} | {MISSING} | | |")
             continue
         mark = "†" if r.get("same_weights") is False else ""
-        other = other or bool(mark)
-        lines.append(f"| {label} | {fmt(r.get('perplexity'))} | {r['acc']:.3f} ± {r['acc_stderr']:.3f}{mark} | "
-                     f"{r['acc_norm']:.3f} ± {r['acc_norm_stderr']:.3f}{mark} | {r['questions']} |")
+        if mark:
+            other.append(f"{r['label']} {fmt(r.get('row_perplexity'))}")
+        lines.append(f"| {label} | {fmt(r.get('perplexity'))}{mark} | {r['acc']:.3f} ± {r['acc_stderr']:.3f} | "
+                     f"{r['acc_norm']:.3f} ± {r['acc_norm_stderr']:.3f} | {r['questions']} |")
     if other:
-        lines += ["", "† measured on the row re-trained for it, whose weights differ from those its perplexity was "
-                      "measured on (the durable results' weights_sha256; another machine): the two columns of that row "
-                      "are not of one model."]
+        lines += ["", "† re-trained for this table, to other weights than the main table's row (the durable results' "
+                      "weights_sha256: same code and shard bytes, another machine); perplexity and accuracy here are both "
+                      "of the re-trained model. The main table's perplexity: " + "; ".join(other) + "."]
     return lines
 
 

@@ -52,16 +52,18 @@ def collect(c: Corpus) -> dict:
 
 
 def _downstream(c: Corpus, name: str, row: dict) -> dict:
-    """A row of the downstream table: the row's held-out perplexity beside its multiple-choice accuracy, and whether
-    the accuracy was measured on the weights the perplexity was (a row re-trained for it on another machine may
-    not be: the same code and shard bytes gave other weights there)."""
+    """A row of the downstream table: held-out perplexity and multiple-choice accuracy of the weights the downstream job
+    scored, and whether those are the weights the main table's row was measured on (a row re-trained for it on
+    another machine may not be: the same code and shard bytes gave other weights there)."""
     job = c.result(f"downstream-{name}") or {}
     kept = (job.get("evals") or {}).get("heldout_choice")
     if not kept:
         return {"label": row["label"], "perplexity": row.get("perplexity"), "status": MISSING}
     trained = (c.result(row.get("same_run_as", name)) or {}).get("weights_sha256")
     same = None if not (trained and job.get("weights_sha256")) else trained == job["weights_sha256"]
-    return {"label": row["label"], "perplexity": row.get("perplexity"), **kept, "same_weights": same}
+    own = _method(job, "heldout", row["label"]).get("perplexity")
+    return {"label": row["label"], "perplexity": own if own is not None else row.get("perplexity"),
+            "row_perplexity": row.get("perplexity"), **kept, "same_weights": same}
 
 
 def _row(c: Corpus, sp, start_ppl: float | None) -> dict:

@@ -16,7 +16,7 @@ from reproduce_corpus import DOWNSTREAM, DOWNSTREAM_TASK, SCALES, Corpus  # noqa
 from reproduce_jobs import plan, valid  # noqa: E402
 from reproduce_page import page  # noqa: E402
 from reproduce_report import MISSING, collect, results_json  # noqa: E402
-from test_reproduce_report import fake_result  # noqa: E402
+from test_reproduce_report import FINAL, fake_result  # noqa: E402
 
 S = SCALES["tiny"]
 ACC = {"dense": 0.30, "dense-4x": 0.35, "flat-4": 0.40, "dipaco-2x2": 0.45, "dipaco-2x2-private": 0.50,
@@ -29,7 +29,8 @@ def fake(c: Corpus, job, fp: str) -> dict:
     row = job.name.removeprefix("downstream-")
     evals = {"heldout_choice": {"task": "heldout_choice", **DOWNSTREAM_TASK, "questions": 40, "acc": ACC[row],
                                 "acc_stderr": 0.07, "acc_norm": ACC[row] - 0.05, "acc_norm_stderr": 0.07,
-                                "routing": "once", "requests_per_path": {"0-0": 160}}}
+                                "routing": "once", "requests_per_path": {"0-0": 160}},
+             "heldout": {"methods": {{sp.name: sp for sp in c.specs()}[row].label: {"perplexity": FINAL[row]}}}}
     return {"fingerprint": fp, "job": job.name, "corpus": c.name, "record": {"row": row}, "rounds": [], "run_info": {},
             "evals": evals, "weights_sha256": f"weights of {row}"}
 
@@ -61,7 +62,8 @@ def test_downstream_jobs_follow_their_rows_and_land_on_the_page(corpus, tmp_path
         job = jobs[f"downstream-{row}"]
         assert job.deps == [row] and job.needs == [row]
         spec = job.spec()
-        assert spec["command"] is None and spec["run"].endswith(f"runs/{row}") and spec["steps"][0]["op"] == "downstream"
+        assert spec["command"] is None and spec["run"].endswith(f"runs/{row}")
+        assert [st["op"] for st in spec["steps"]] == ["eval", "downstream"]  # its own perplexity: the weights it scores
     assert corpus.shards_needed(["downstream-flat-4"]) == {"2x2", "4"}  # the flat mixture's router is in shards-4
     assert not any(n.startswith("downstream-") for n in (j.name for j in Corpus(
         "default", out, S, corpus.data, results).jobs()))  # only with --downstream
@@ -88,10 +90,13 @@ def test_downstream_jobs_follow_their_rows_and_land_on_the_page(corpus, tmp_path
         f = results / "default" / f"{row}.json"
         f.write_text(f.read_text().replace('"fingerprint"', f'"weights_sha256": "weights of {row}", "fingerprint"', 1))
     other = results / "default" / "downstream-flat-4.json"
-    other.write_text(other.read_text().replace("weights of flat-4", "weights trained elsewhere"))
+    elsewhere = other.read_text().replace("weights of flat-4", "weights trained elsewhere")
+    other.write_text(elsewhere.replace(f'"perplexity": {FINAL["flat-4"]}', '"perplexity": 33.33'))
     text = page(results_json([corpus], {"default": collect(corpus)}, "tiny", S), S, {}, "x")
     table = text.split("Downstream (lm-evaluation-harness")[1].split("Expectations:")[0]
-    assert table.count("†") == 3 and "| 0.400 ± 0.070† | 0.350 ± 0.070† |" in table and "† measured on the row" in table
+    # both columns of that row are of the re-trained weights; the note gives the main table's perplexity
+    assert table.count("†") == 2 and "| 33.33† | 0.400 ± 0.070 | 0.350 ± 0.070 |" in table
+    assert "The main table's perplexity: flat mixture, 4 paths" in table and f"{FINAL['flat-4']:.2f}." in table
 
     (results / "default" / "downstream-dense.json").unlink()  # a downstream result missing: its row says so
     plan(jobs, results, out)  # (fingerprints)
