@@ -3,8 +3,8 @@
     python bench/routing_quality.py [--corpus shared default fresh] [--seed 0 1 2] [--out bench/out/routing_quality] [--jobs 2]
 
 For each corpus (the shared five-domain corpus, the default corpus `dipaco quickstart` builds from the machine,
-and a fresh four-domain corpus from other files on the machine, ``bench/fresh_corpus.py``), with the quickstart's
-settings (grid 2x2, --balance 1.1, vocabulary 4096, the tiny path, 16 rounds x 50 inner steps, from scratch):
+and a fresh four-domain corpus from other files on the machine, ``bench/fresh_corpus.py``), with the settings the
+quickstart had until 2026-12-07 (grid 2x2, --balance 1.1, vocabulary 4096, the tiny path, 16 rounds x 50 inner steps, from scratch):
 
   1. shard twice with the run's seed (so one tokenizer and the same held-out, router and validation documents):
      k-means on the routing prefix (``cluster_on=prefix``), and k-means on whole-document features

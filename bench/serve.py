@@ -2,7 +2,7 @@
 
     python bench/serve.py [--run RUN] [--work DIR] [--requests 48] [--max-tokens 64] [--out bench/serve_results.json]
 
-Without --run it builds what the quickstart serves (the embedded default corpus sharded 2x2 with a 4,096-token
+Without --run it builds a model like the quickstart's (the embedded default corpus sharded 2x2, with a 4,096-token
 vocabulary, the tiny preset) with a short training (speed does not depend on how well a model is trained), plus a
 4x4 run for the memory figure. Then, in one run and on the same cores:
 
