@@ -19,8 +19,9 @@ corpus (the shared five-domain corpus; the default corpus `dipaco quickstart` bu
            documents (its forward passes, its one-path variant), mixture, oracles; and the same on validation documents
   report   results.json, the page, the README's results lines, plots; the headline DiPaCo row chosen on validation
   downstream  with --downstream (the eval extra): the held-out multiple-choice task (``dipaco.eval.harness_tasks``)
-           through lm-evaluation-harness, routed per question, for dense, dense 4x, the flat mixture and every headline
-           candidate; accuracy with the harness's standard error beside held-out perplexity (one job per row, after it)
+           through lm-evaluation-harness, routed per question, for dense, dense 4x, the flat mixture, the all-shared
+           DiPaCo 2x2 and the headline row (every candidate until it is chosen); accuracy with the harness's standard
+           error beside held-out perplexity of the same weights (one job per row, after it)
 
 Every job (a training and its evaluations, or a pilot) ends by writing its durable result, a small JSON under
 --results (``docs/results/jobs/<corpus>/<job>.json`` at full scale: commit them). A later invocation, in another
@@ -65,7 +66,7 @@ def arguments(argv: list[str]) -> argparse.Namespace:
                                                "(default: README.md when --page is docs/RESULTS.md)")
     p.add_argument("--report-only", action="store_true", help="write the report from the durable results alone; run nothing")
     p.add_argument("--downstream", action="store_true", help="also the held-out multiple-choice task through "
-                   "lm-evaluation-harness for the rows of reproduce_corpus.DOWNSTREAM (the eval extra)")
+                   "lm-evaluation-harness for the rows of reproduce_corpus.DOWNSTREAM and the headline row (the eval extra)")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: give at least 1 core")

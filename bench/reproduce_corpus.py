@@ -21,9 +21,9 @@ CRITICAL, UNBLOCKS = 1e13, 1e12  # job weights: the start first, then what unblo
 PRIVATE = ["grid.private_embedding=true", "grid.private_blocks=[0, 3]"]
 HEADLINE = ("dipaco-2x2", "dipaco-2x2-private", "dipaco-2x2-overlap")  # the headline row is chosen among these
 CURVES = ("dense", "flat-4", "dipaco-2x2", "dipaco-2x2-private")       # evaluated every round (the lead plot)
-# --downstream: the rows scored on the held-out multiple-choice task through lm-evaluation-harness (every headline
-# candidate, so the headline row and the all-shared DiPaCo 2x2 are both there), and the task's shape
-DOWNSTREAM = ("dense", "dense-4x", "flat-4", *HEADLINE)
+# --downstream: the rows scored on the held-out multiple-choice task through lm-evaluation-harness (these and the
+# headline row: ``Corpus.downstream_rows``), and the task's shape
+DOWNSTREAM = ("dense", "dense-4x", "flat-4", "dipaco-2x2")
 DOWNSTREAM_TASK = {"passage": 48, "answer": 16, "choices": 4, "seed": 0}
 
 
@@ -123,6 +123,23 @@ class Corpus:
         if self.valid is not None:
             return store.load(self.results, self.name, job, self.valid[job]) if job in self.valid else None
         return store.load(self.results, self.name, job)
+
+    def validation_perplexities(self) -> dict[str, float]:
+        """The headline candidates' routed perplexity on the validation documents, of those with a result."""
+        labels = {sp.name: sp.label for sp in self.specs()}
+        found = {n: (((self.result(n) or {}).get("evals", {}).get("val") or {}).get("methods", {}).get(labels[n]) or {})
+                 .get("perplexity") for n in HEADLINE}
+        return {n: v for n, v in found.items() if v is not None}
+
+    def headline(self) -> str | None:
+        """The headline row: the candidate lowest on validation, once every candidate has a result."""
+        val = self.validation_perplexities()
+        return min(val, key=val.get) if len(val) == len(HEADLINE) else None
+
+    def downstream_rows(self) -> list[str]:
+        """DOWNSTREAM and the headline row; every candidate while the headline cannot be chosen yet."""
+        head = self.headline()
+        return list(dict.fromkeys([*DOWNSTREAM, *([head] if head else HEADLINE)]))
 
     def identity(self) -> list:
         """What identifies the corpus in a fingerprint: the name and content hash of every input file (the default
@@ -345,7 +362,8 @@ class Corpus:
             jobs.append(Job(n, sp.name, lambda sp=sp: {**base, **self.row_spec(sp)}, deps=deps, needs=["start", *sp.needs],
                             artifact=done(self.runs / sp.name, sp.rounds), slots=min(2, sp.workers),
                             weight=sp.trainees * sp.rounds * sp.H))
-        for sp in (sp for sp in self.specs() if self.downstream and sp.name in DOWNSTREAM):
+        rows = self.downstream_rows() if self.downstream else []
+        for sp in (sp for sp in self.specs() if sp.name in rows):
             shards = str(self.shard_dirs[sp.shards])  # the perplexity too: the row may be re-trained to other weights
             steps = [{"op": "eval", "key": "heldout", "label": sp.label, "shards": shards, "round": sp.rounds},
                      {"op": "downstream", "key": "heldout_choice", "shards": shards, **DOWNSTREAM_TASK}]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
-from reproduce_corpus import CURVES, DOWNSTREAM, HEADLINE, PAPER_OUTER, Corpus, Scale, paths_of, pretrain_tokens_per_step
+from reproduce_corpus import CURVES, PAPER_OUTER, Corpus, Scale, paths_of, pretrain_tokens_per_step
 
 MISSING = "not yet run"
 
@@ -43,10 +43,10 @@ def collect(c: Corpus) -> dict:
         res["runs"][sp.name] = row = _row(c, sp, start_ppl)
         if sp.routing and row["status"] == "done":
             res["routing"][sp.name] = _routing(c.result(sp.name), sp, s.route_every)
-    cands = {n: res["runs"][n]["val_perplexity"] for n in HEADLINE if res["runs"][n].get("val_perplexity") is not None}
-    res["headline"] = {"run": min(cands, key=cands.get), "chosen_on_validation": cands} if len(cands) == len(HEADLINE) else None
+    head = c.headline()
+    res["headline"] = {"run": head, "chosen_on_validation": c.validation_perplexities()} if head else None
     res["lead"] = _lead(res["runs"])
-    res["downstream"] = {n: _downstream(c, n, res["runs"][n]) for n in DOWNSTREAM} if c.downstream else {}
+    res["downstream"] = {n: _downstream(c, n, res["runs"][n]) for n in c.downstream_rows()} if c.downstream else {}
     res["expectations"] = expectations(res, s)
     return res
 

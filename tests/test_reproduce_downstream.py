@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import reproduce_store as store  # noqa: E402
-from reproduce_corpus import DOWNSTREAM, DOWNSTREAM_TASK, SCALES, Corpus  # noqa: E402
+from reproduce_corpus import DOWNSTREAM, DOWNSTREAM_TASK, HEADLINE, SCALES, Corpus  # noqa: E402
 from reproduce_jobs import plan, valid  # noqa: E402
 from reproduce_page import page  # noqa: E402
 from reproduce_report import MISSING, collect, results_json  # noqa: E402
@@ -58,6 +58,8 @@ def corpus(tmp_path):
 def test_downstream_jobs_follow_their_rows_and_land_on_the_page(corpus, tmp_path):
     out, results = tmp_path / "out", tmp_path / "jobs"
     jobs = {j.name: j for j in corpus.jobs()}
+    # before the headline row can be chosen on validation, every candidate is scored
+    assert {n for n in jobs if n.startswith("downstream-")} == {f"downstream-{r}" for r in {*DOWNSTREAM, *HEADLINE}}
     for row in DOWNSTREAM:
         job = jobs[f"downstream-{row}"]
         assert job.deps == [row] and job.needs == [row]
@@ -70,6 +72,9 @@ def test_downstream_jobs_follow_their_rows_and_land_on_the_page(corpus, tmp_path
 
     jobs = simulate(corpus, results, out)
     assert plan(jobs, results, out) == []
+    # once it is chosen (the private variant: lowest on validation), the other candidates are not scored
+    assert corpus.downstream_rows() == [*DOWNSTREAM, "dipaco-2x2-private"]
+    assert not any(j.name == "downstream-dipaco-2x2-overlap" for j in corpus.jobs())
     # a row lost with its run directory: it re-trains (and the start it continues from), its downstream job follows
     (results / "default" / "flat-4.json").unlink()
     assert {j.name for j in plan(corpus.jobs(), results, out)} == {"flat-4", "start", "downstream-flat-4"}
@@ -82,7 +87,7 @@ def test_downstream_jobs_follow_their_rows_and_land_on_the_page(corpus, tmp_path
     text = page(results_json([corpus], {"default": res}, "tiny", S), S, {}, "python bench/reproduce.py --downstream")
     table = text.split("Downstream (lm-evaluation-harness")[1].split("Expectations:")[0]
     assert "| DiPaCo 2x2, private embedding and blocks 0, 3 (headline) | 28.20 | 0.500 ± 0.070 | 0.450 ± 0.070 | 40 |" in table
-    assert table.count("\n| ") == 2 + len(DOWNSTREAM) and MISSING not in table
+    assert table.count("\n| ") == 2 + len(DOWNSTREAM) + 1 and MISSING not in table and "overlap" not in table
 
     # the rows' durable results hold their weights' hash: a downstream result on other weights (its row re-trained
     # on another machine) is marked, once trained weights agree it is not
