@@ -145,7 +145,7 @@ def downstream_table(res: dict) -> list[str]:
                  f"of other held-out documents of the same domain; each question routed by its passage, every choice by "
                  f"that path (chance: 1/{t['choices']}). Accuracy ± the harness's standard error:", "",
              "| run | held-out ppl | accuracy | length-normalised accuracy | questions |", "| --- | ---: | ---: | ---: | ---: |"]
-    other = []
+    other, gap = [], 0.0
     for n, r in rows.items():
         label = r["label"] + (" (headline)" if n == head else "")
         if "acc" not in r:
@@ -154,12 +154,14 @@ def downstream_table(res: dict) -> list[str]:
         mark = "†" if r.get("same_weights") is False else ""
         if mark:
             other.append(f"{r['label']} {fmt(r.get('row_perplexity'))}")
+            gap = max(gap, abs(r["perplexity"] / r["row_perplexity"] - 1) if r.get("row_perplexity") else 0.0)
         lines.append(f"| {label} | {fmt(r.get('perplexity'))}{mark} | {r['acc']:.3f} ± {r['acc_stderr']:.3f} | "
                      f"{r['acc_norm']:.3f} ± {r['acc_norm_stderr']:.3f} | {r['questions']} |")
     if other:
         lines += ["", "† re-trained for this table, to other weights than the main table's row (the durable results' "
                       "weights_sha256: same code and shard bytes, another machine); perplexity and accuracy here are both "
-                      "of the re-trained model. The main table's perplexity: " + "; ".join(other) + "."]
+                      "of the re-trained model. The main table's perplexity: " + "; ".join(other) +
+                      f" (at most {100 * gap:.1f}% apart)."]
     return lines
 
 
@@ -199,6 +201,10 @@ def readme_lines(results: dict) -> str:
                     f"({fmt(h['perplexity'])} vs {fmt(dense)}; 5% expected)")
             if head != "dipaco-2x2" and runs["dipaco-2x2"].get("perplexity"):
                 text += f"; DiPaCo 2x2 with every module shared: {below('dipaco-2x2')}"
+            down = res.get("downstream") or {}
+            if all("acc" in down.get(r, {}) for r in (head, "dense")):
+                acc = lambda r: f"{down[r]['acc']:.3f}\u00a0±\u00a0{down[r]['acc_stderr']:.3f}"  # noqa: E731 (kept on one line)
+                text += f"; held-out multiple choice (lm-evaluation-harness) {acc(head)} vs dense {acc('dense')}"
         else:
             text = f"the headline DiPaCo row is {MISSING}"
         failed = [f"`{e['id']}`" for e in checked if not e["held"]]

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import reproduce_store as store  # noqa: E402
 from reproduce_corpus import DOWNSTREAM, DOWNSTREAM_TASK, HEADLINE, SCALES, Corpus  # noqa: E402
 from reproduce_jobs import plan, valid  # noqa: E402
-from reproduce_page import page  # noqa: E402
+from reproduce_page import page, readme_lines  # noqa: E402
 from reproduce_report import MISSING, collect, results_json  # noqa: E402
 from test_reproduce_report import FINAL, fake_result  # noqa: E402
 
@@ -101,7 +101,10 @@ def test_downstream_jobs_follow_their_rows_and_land_on_the_page(corpus, tmp_path
     table = text.split("Downstream (lm-evaluation-harness")[1].split("Expectations:")[0]
     # both columns of that row are of the re-trained weights; the note gives the main table's perplexity
     assert table.count("†") == 2 and "| 33.33† | 0.400 ± 0.070 | 0.350 ± 0.070 |" in table
-    assert "The main table's perplexity: flat mixture, 4 paths" in table and f"{FINAL['flat-4']:.2f}." in table
+    assert "The main table's perplexity: flat mixture, 4 paths" in table and f"{FINAL['flat-4']:.2f} (at most 23.4% apart)." in table
+    # the README's line for the corpus gives the headline's accuracy beside dense's
+    line = readme_lines(results_json([corpus], {"default": collect(corpus)}, "tiny", S))
+    assert "held-out multiple choice (lm-evaluation-harness) 0.500 ± 0.070 vs dense 0.300 ± 0.070" in " ".join(line.replace("\u00a0", " ").split())
 
     (results / "default" / "downstream-dense.json").unlink()  # a downstream result missing: its row says so
     plan(jobs, results, out)  # (fingerprints)
