@@ -127,8 +127,7 @@ class Corpus:
     def validation_perplexities(self) -> dict[str, float]:
         """The headline candidates' routed perplexity on the validation documents, of those with a result."""
         labels = {sp.name: sp.label for sp in self.specs()}
-        found = {n: (((self.result(n) or {}).get("evals", {}).get("val") or {}).get("methods", {}).get(labels[n]) or {})
-                 .get("perplexity") for n in HEADLINE}
+        found = {n: store.method(self.result(n), "val", labels[n]).get("perplexity") for n in HEADLINE}
         return {n: v for n, v in found.items() if v is not None}
 
     def headline(self) -> str | None:

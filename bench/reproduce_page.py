@@ -154,7 +154,8 @@ def downstream_table(res: dict) -> list[str]:
         mark = "†" if r.get("same_weights") is False else ""
         if mark:
             other.append(f"{r['label']} {fmt(r.get('row_perplexity'))}")
-            gap = max(gap, abs(r["perplexity"] / r["row_perplexity"] - 1) if r.get("row_perplexity") else 0.0)
+            if r.get("perplexity") and r.get("row_perplexity"):
+                gap = max(gap, abs(r["perplexity"] / r["row_perplexity"] - 1))
         lines.append(f"| {label} | {fmt(r.get('perplexity'))}{mark} | {r['acc']:.3f} ± {r['acc_stderr']:.3f} | "
                      f"{r['acc_norm']:.3f} ± {r['acc_norm_stderr']:.3f} | {r['questions']} |")
     if other:

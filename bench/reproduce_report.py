@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict
 
 from reproduce_corpus import CURVES, PAPER_OUTER, Corpus, Scale, paths_of, pretrain_tokens_per_step
+from reproduce_store import method
 
 MISSING = "not yet run"
 
@@ -19,10 +20,6 @@ def dp_bytes(per_path: int, replicas: int, steps: int) -> int:
     return replicas * allreduce_bytes(per_path, replicas, 16) * steps
 
 
-def _method(res: dict | None, key: str, name: str) -> dict:
-    return ((res or {}).get("evals", {}).get(key) or {}).get("methods", {}).get(name) or {}
-
-
 def collect(c: Corpus) -> dict:
     """Everything the page shows for one corpus, from the durable results of its jobs."""
     s = c.s
@@ -32,13 +29,13 @@ def collect(c: Corpus) -> dict:
     curve = [{"round": r["round"], "steps": r["round"] * s.pretrain_H,
               "tokens_per_param": r["round"] * s.pretrain_H * per_step / per_path, "val_perplexity": math.exp(r["val_loss_mean"])}
              for r in (start or {}).get("rounds", []) if per_path and r.get("val_loss_mean") is not None]
-    start_ppl = _method(start, "heldout", "pretrained start").get("perplexity")
+    start_ppl = method(start, "heldout", "pretrained start").get("perplexity")
     res = {"pretrain": {"lr_pilot": {f"{k:g}": v for k, v in c.pretrain_pilot().items()}, "lr": c.start_lr(),
                         "steps": s.pretrain_rounds * s.pretrain_H, "parameters": per_path, "curve": curve,
                         "heldout_perplexity": start_ppl},
            "pretrain_tokens_per_param": curve[-1]["tokens_per_param"] if curve else None,
            "outer_grid": c.outer_grid(), "outer_chosen": list(c.chosen_outer() or []) or None, "runs": {}, "routing": {},
-           "scored_tokens": _method(start, "heldout", "pretrained start").get("tokens")}
+           "scored_tokens": method(start, "heldout", "pretrained start").get("tokens")}
     for sp in c.specs():
         res["runs"][sp.name] = row = _row(c, sp, start_ppl)
         if sp.routing and row["status"] == "done":
@@ -61,8 +58,7 @@ def _downstream(c: Corpus, name: str, row: dict) -> dict:
         return {"label": row["label"], "perplexity": row.get("perplexity"), "status": MISSING}
     trained = (c.result(row.get("same_run_as", name)) or {}).get("weights_sha256")
     same = None if not (trained and job.get("weights_sha256")) else trained == job["weights_sha256"]
-    own = _method(job, "heldout", row["label"]).get("perplexity")
-    return {"label": row["label"], "perplexity": own if own is not None else row.get("perplexity"),
+    return {"label": row["label"], "perplexity": method(job, "heldout", row["label"]).get("perplexity"),
             "row_perplexity": row.get("perplexity"), **kept, "same_weights": same}
 
 
@@ -90,12 +86,12 @@ def _row(c: Corpus, sp, start_ppl: float | None) -> dict:
         dp = dp_bytes(row["parameters_per_path"], sp.trainees, sp.rounds * sp.H) if (info.get("workers") or 1) > 1 else 0
         row |= {"train_seconds": sum(x.get("seconds") or 0 for x in rows), "bytes_sent": sent,
                 "bytes_ratio_vs_dp": dp / sent if sent and dp else None}
-    final = _method(r, f"heldout_r{sp.rounds}", label)
+    final = method(r, f"heldout_r{sp.rounds}", label)
     row |= {"perplexity": final.get("perplexity"), "scored_tokens": final.get("tokens"), "per_label": final.get("per_label", {}),
-            "val_perplexity": _method(r, "val", label).get("perplexity")}
+            "val_perplexity": method(r, "val", label).get("perplexity")}
     rounds = sorted(int(k.split("_r")[1]) for k in r.get("evals", {}) if k.startswith("heldout_r"))
     row["curve"] = {"rounds": [0] * (start_ppl is not None) + rounds,
-                    "perplexity": [start_ppl] * (start_ppl is not None) + [_method(r, f"heldout_r{k}", label).get("perplexity") for k in rounds]}
+                    "perplexity": [start_ppl] * (start_ppl is not None) + [method(r, f"heldout_r{k}", label).get("perplexity") for k in rounds]}
     return row
 
 
@@ -103,9 +99,9 @@ def _routing(r: dict, sp, w: int) -> dict:
     """Today's routing of one row: once by the run's saved once rule, every-W by the rule chosen on the router
     documents with its compute, its one-path variant, and the bounds."""
     label, key, paths = sp.label, f"heldout_r{sp.rounds}", paths_of((r.get("run_info") or {}).get("grid"))
-    once, every = _method(r, key, label), _method(r, key, f"{label} every-{w}")
+    once, every = method(r, key, label), method(r, key, f"{label} every-{w}")
     policy = every.get("policy") or {}
-    one = _method(r, key, f"{label} every-{w} one-path")
+    one = method(r, key, f"{label} every-{w} one-path")
     single = policy.get("one_path") or {}
     if not one and single.get("name") == policy.get("name"):
         one = every  # the chosen rule runs one path already
@@ -113,10 +109,10 @@ def _routing(r: dict, sp, w: int) -> dict:
            "every": every.get("perplexity"), "every_rule": policy.get("name"), "every_reason": policy.get("reason"),
            "forward_passes": every.get("forward_passes"), "one_path": one.get("perplexity"),
            "one_path_rule": single.get("name"), "one_path_forward_passes": single.get("forward_passes", 1),
-           "val_once": _method(r, "val", label).get("perplexity"), "val_every": _method(r, "val", f"{label} every-{w}").get("perplexity"),
+           "val_once": method(r, "val", label).get("perplexity"), "val_every": method(r, "val", f"{label} every-{w}").get("perplexity"),
            "window_router": r.get("window_router") or {}}
     for extra in ("shard-router", "early-stop", "mixture-2", "random", "oracle", f"window-oracle-{w}"):
-        out[extra] = _method(r, key, f"{label} {extra}").get("perplexity")
+        out[extra] = method(r, key, f"{label} {extra}").get("perplexity")
     return out
 
 

@@ -69,6 +69,11 @@ def load_all(results: Path, corpus: str) -> dict[str, dict]:
     return out
 
 
+def method(result: dict | None, key: str, name: str) -> dict:
+    """One method of one evaluation (``key``) of a durable result, as ``compact_report`` kept it; {} where absent."""
+    return ((result or {}).get("evals", {}).get(key) or {}).get("methods", {}).get(name) or {}
+
+
 def compact_report(report: dict) -> dict:
     """What the page needs of an evaluation report: per method its perplexity, tokens, routing, rule and per-label
     perplexities (the per-path split and raw sums stay in the run directory)."""
